@@ -1,0 +1,51 @@
+# hf_apex developer commands. `make help` lists them.
+PYTHON ?= python3
+# torch for machines that have none yet: this pin is the CPU build CI installs. A CUDA machine should
+# bring its own torch (the one apex is built against).
+TORCH_VERSION ?= 2.13.0
+# OFFLINE=1: install hf_apex without resolving dependencies (machines with no package index).
+OFFLINE ?=
+APEX_SRC ?=
+APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
+APEX_PARALLEL_BUILD ?= $(shell nproc)
+PYTEST_ARGS ?=
+
+PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
+
+.PHONY: help install apex doctor test test-gpu lint style clean
+
+help:
+	@echo "make install     install hf_apex (+dev extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
+	@echo "make test        CPU test suite (what CI runs)"
+	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"
+	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>)"
+	@echo "make doctor      which apex kernels are available, with a runtime proof"
+	@echo "make lint        ruff check + format check;  make style: fix both"
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "torch==$(TORCH_VERSION)"
+	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev])"
+
+apex: install
+	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) $(if $(APEX_SRC),--src $(APEX_SRC),)
+	$(PYTHON) -m hf_apex doctor --strict
+
+doctor:
+	$(PYTHON) -m hf_apex doctor
+
+test: install
+	$(PYTHON) -m pytest -m "not gpu" tests $(PYTEST_ARGS)
+
+test-gpu: install
+	$(PYTHON) -m pytest -m gpu tests $(PYTEST_ARGS)
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+style:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .bench

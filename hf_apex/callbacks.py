@@ -1,0 +1,263 @@
+"""``StageMetricsCallback``: what a stage does to step time, throughput, MFU and memory, step by step.
+
+Works with the stock ``Trainer`` (it writes ``<output_dir>/hf_apex_metrics.json``) and with ``ApexTrainer``,
+which also merges the per-window figures into ``Trainer.log`` so every ``report_to`` integration sees them.
+
+Timing uses CUDA events recorded at ``on_step_begin``/``on_step_end`` and is resolved only when figures are
+reported, so measuring adds no synchronisation to the training loop. Tokens are counted from the real batch
+(``attention_mask`` when present) by a forward pre-hook, on the device, without a host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from .counters import KERNEL_COUNTER
+from .metrics import METRICS_FILENAME, flops_per_token, lookup_peak_tflops, model_shape, percentiles, provenance
+from .profiling import KernelProfile
+
+logger = logging.getLogger("hf_apex")
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class _Step:
+    step: int
+    start: object  # torch.cuda.Event or float (perf_counter)
+    end: object
+    tokens: object  # int or 0-d tensor on the device
+    samples: int
+    seq_len: int
+    skipped: bool = False
+    ms: float | None = None
+
+
+class StageMetricsCallback(TrainerCallback):
+    """Per-step stage metrics and the run's metrics JSON.
+
+    Args:
+        stage (`str`, *optional*): stage name written into the JSON (read from `args.stage` when absent).
+        warmup_steps (`int`, *optional*, defaults to 5): optimizer steps left out of the summary.
+        peak_tflops (`float`, *optional*): peak dense TFLOP/s for MFU; looked up from the GPU name when `None`.
+        profile_kernels (`bool`, *optional*, defaults to `True`): profile one warm-up step on CUDA and record
+            the apex kernels that executed.
+        extra (`dict`, *optional*): more fields for the JSON (e.g. the rewire report).
+    """
+
+    def __init__(self, stage=None, warmup_steps=5, peak_tflops=None, profile_kernels=True, extra=None):
+        self.stage = stage
+        self.warmup_steps = warmup_steps
+        self.peak_tflops = peak_tflops
+        self.profile_kernels = profile_kernels
+        self.extra = dict(extra or {})
+        self._reset()
+
+    # -- state -------------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.steps: list[_Step] = []
+        self._pending: list[_Step] = []
+        self._window: list[_Step] = []
+        self._open: _Step | None = None
+        self._tokens = 0
+        self._samples = 0
+        self._seq_len = 0
+        self._hook = None
+        self._counts_at_start: Counter = Counter()
+        self._cuda = False
+        self._shape: dict = {}
+        self._profile: KernelProfile | None = None
+        self.kernels_verified: dict | None = None
+        self._optimizer_class: str | None = None
+        self._start_wall = None
+
+    def _count_batch(self, module, args, kwargs) -> None:
+        if not module.training:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            self._tokens = self._tokens + mask.sum()
+        elif isinstance(ids, torch.Tensor):
+            self._tokens = self._tokens + ids.numel()
+        if isinstance(ids, torch.Tensor) and ids.ndim >= 2:
+            self._samples += ids.shape[0]
+            self._seq_len = max(self._seq_len, ids.shape[-1])
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._reset()
+        if self.stage is None:
+            self.stage = getattr(args, "stage", None)
+        self._cuda = torch.cuda.is_available() and args.device.type == "cuda"
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+            if not args.skip_memory_metrics:
+                logger.warning(
+                    "hf_apex: StageMetricsCallback resets CUDA peak-memory stats; Trainer memory metrics will be off."
+                )
+        if model is not None:
+            self._shape = model_shape(model)
+            self._hook = model.register_forward_pre_hook(torch.compiler.disable(self._count_batch), with_kwargs=True)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._optimizer_class = type(inner).__name__ if inner is not None else None
+        self._counts_at_start = KERNEL_COUNTER.snapshot()
+        self._start_wall = time.time()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._tokens, self._samples, self._seq_len = 0, 0, 0
+        if self._cuda and self.profile_kernels and self._profile is None and self._should_profile(state):
+            self._profile = KernelProfile().start()
+        start = torch.cuda.Event(enable_timing=True) if self._cuda else time.perf_counter()
+        if self._cuda:
+            start.record()
+        self._open = _Step(state.global_step + 1, start, None, 0, 0, 0)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        step = self._open
+        if step is None:
+            return
+        self._open = None
+        if self._cuda:
+            step.end = torch.cuda.Event(enable_timing=True)
+            step.end.record()
+        else:
+            step.end = time.perf_counter()
+        step.tokens, step.samples, step.seq_len = self._tokens, self._samples, self._seq_len
+        step.skipped = bool(getattr(optimizer, "step_was_skipped", False))
+        if self._profile is not None and self._profile.running:
+            self.kernels_verified = self._profile.stop()
+        self._pending.append(step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._resolve()
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / METRICS_FILENAME
+            path.parent.mkdir(parents=True, exist_ok=True)
+            summary = self.summary(args, state)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            os.replace(tmp, path)
+            logger.info("hf_apex: stage metrics written to %s", path)
+
+    # -- reporting ---------------------------------------------------------------------------------------
+    def _should_profile(self, state) -> bool:
+        # Profile the last warm-up step: it is excluded from the timings anyway.
+        return state.global_step + 1 == max(self.warmup_steps, 1)
+
+    def _resolve(self) -> None:
+        """Turn recorded events into milliseconds and token counts into ints (one sync, at report time)."""
+        if not self._pending:
+            return
+        if self._cuda:
+            self._pending[-1].end.synchronize()
+        for s in self._pending:
+            s.ms = s.start.elapsed_time(s.end) if self._cuda else (s.end - s.start) * 1e3
+            s.tokens = int(s.tokens)
+        self.steps.extend(self._pending)
+        self._window.extend(self._pending)
+        self._pending = []
+
+    def _rates(self, steps: list[_Step]) -> dict:
+        secs = sum(s.ms for s in steps) / 1e3
+        tokens = sum(s.tokens for s in steps)
+        out = {
+            "tokens_per_s": tokens / secs if secs else None,
+            "samples_per_s": sum(s.samples for s in steps) / secs if secs else None,
+        }
+        seq_len = max((s.seq_len for s in steps), default=0)
+        fpt = flops_per_token(self._shape, seq_len) if self._shape else None
+        peak = self.resolved_peak_tflops()
+        out["mfu"] = fpt * out["tokens_per_s"] / (peak * 1e12) if fpt and peak and out["tokens_per_s"] else None
+        return out
+
+    def resolved_peak_tflops(self) -> float | None:
+        if self.peak_tflops:
+            return self.peak_tflops
+        return lookup_peak_tflops(torch.cuda.get_device_name()) if self._cuda else None
+
+    def _memory(self) -> dict:
+        if not self._cuda:
+            return {"peak_memory_allocated_gib": None, "peak_memory_reserved_gib": None}
+        return {
+            "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+            "peak_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+
+    def pop_log_metrics(self) -> dict[str, float]:
+        """Figures for the steps since the last call, as plain floats for ``Trainer.log``."""
+        self._resolve()
+        steps, self._window = self._window, []
+        if not steps:
+            return {}
+        logs = {"step_time_ms": sum(s.ms for s in steps) / len(steps)}
+        logs.update({k: v for k, v in self._rates(steps).items() if v is not None})
+        logs.update({k: v for k, v in self._memory().items() if v is not None})
+        counts = KERNEL_COUNTER.since(self._counts_at_start)
+        for component, c in counts.items():
+            logs[f"apex_calls/{component}"] = c["apex"]
+            logs[f"fallback_calls/{component}"] = c["fallback"]
+        skipped = sum(s.skipped for s in self.steps)
+        if skipped:
+            logs["skipped_steps"] = skipped
+        return {k: float(v) for k, v in logs.items()}
+
+    def summary(self, args, state) -> dict:
+        """The run summary written to the metrics JSON."""
+        self._resolve()
+        timed = [s for s in self.steps if s.step > self.warmup_steps and s.step != self._profiled_step()]
+        if not timed and self.steps:
+            logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(self.steps))
+            timed = self.steps
+        world = max(getattr(args, "world_size", 1), 1)
+        counts = KERNEL_COUNTER.since(self._counts_at_start)
+        losses = [{"step": h["step"], "loss": h["loss"]} for h in state.log_history if "loss" in h]
+        peak = self.resolved_peak_tflops()
+        return {
+            "stage": self.stage,
+            "model": {
+                "class": self.extra.get("model_class"),
+                "name_or_path": self.extra.get("model_name_or_path"),
+                **self._shape,
+            },
+            "run": {
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "world_size": world,
+                "seq_len": max((s.seq_len for s in self.steps), default=None),
+                "steps": len(self.steps),
+                "timed_steps": len(timed),
+                "warmup_steps": self.warmup_steps,
+                "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                "tf32": args.tf32,
+                "optimizer": self._optimizer_class,
+                "seed": args.seed,
+                "wall_time_s": time.time() - self._start_wall if self._start_wall else None,
+            },
+            "step_time_ms": percentiles([s.ms for s in timed]),
+            **self._rates(timed),
+            "peak_tflops": peak,
+            "mfu_formula": "(6N + 12*L*d*T) * tokens_per_s / peak; N excludes position embeddings",
+            **self._memory(),
+            "skipped_steps": sum(s.skipped for s in self.steps),
+            "loss": {"first": losses[0]["loss"] if losses else None, "last": losses[-1]["loss"] if losses else None},
+            "loss_history": losses,
+            "kernels": {"calls": counts, "profiled": self.kernels_verified, **self.extra.get("kernels", {})},
+            "rewire": self.extra.get("rewire"),
+            "steps_ms": [round(s.ms, 4) for s in self.steps],
+            "provenance": provenance(),
+        }
+
+    def _profiled_step(self) -> int | None:
+        return max(self.warmup_steps, 1) if self.kernels_verified is not None else None

@@ -1,0 +1,19 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.testing_utils import require_apex, require_cuda
+
+pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
+
+
+def test_doctor_strict_passes_with_runtime_proof():
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_apex", "doctor", "--strict", "--json"], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and {b["backend"] for b in report["backends"].values()} == {"apex"}
+    assert {"layer_norm", "rms_norm", "fused_adam"} <= set(report["runtime_proof"]["kernels"])

@@ -1,0 +1,57 @@
+import pytest
+
+from hf_apex.metrics import flops_per_token, lookup_peak_tflops, model_shape, percentiles
+from hf_apex.profiling import classify_kernels
+from tests.testing_utils import tiny_model
+
+
+def test_n_excludes_position_embeddings_only():
+    model = tiny_model("gpt2")
+    total = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
+    shape = model_shape(model)
+    assert shape["n_params"] == total - model.transformer.wpe.weight.numel()
+    assert (shape["n_layers"], shape["hidden_size"]) == (2, 32)
+    bert = tiny_model("bert")
+    assert model_shape(bert)["n_params"] == sum(p.numel() for p in bert.parameters()) - 64 * 32
+
+
+def test_flops_per_token_formula():
+    shape = {"n_params": 124_000_000, "n_layers": 12, "hidden_size": 768}
+    assert flops_per_token(shape, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+    assert flops_per_token({"n_params": 10, "n_layers": None, "hidden_size": 8}, 16) is None
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Tesla T4", None),
+        (None, None),
+    ],
+)
+def test_peak_lookup(name, peak):
+    assert lookup_peak_tflops(name) == peak
+
+
+def test_percentiles():
+    p = percentiles([float(x) for x in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p20"] == pytest.approx(20.8) and p["p80"] == pytest.approx(80.2)
+    assert percentiles([]) == {}
+
+
+def test_kernel_classification_tells_apex_from_torch():
+    names = [
+        "void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float, float, long>, float>(long, int)",
+        "void at::native::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4>>",
+        "void cuApplyLayerNorm<float, float, float>(float*, float*, float*, float const*, int, int, float)",
+        "void cuApplyRMSNorm<c10::BFloat16, float, c10::BFloat16>(c10::BFloat16*)",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float)",
+        "void LAMBStage1Functor<float>",
+    ]
+    found = classify_kernels(names)
+    assert set(found) == {"fused_adam", "layer_norm", "rms_norm", "fused_lamb"}
+    assert len(found["fused_adam"]) == 1 and "at::native" not in found["fused_adam"][0]
+    assert classify_kernels(names[1:2] + names[4:5]) == {}

@@ -1,0 +1,184 @@
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers import Trainer
+
+from hf_apex import rewire, unrewire
+from hf_apex.counters import KERNEL_COUNTER
+from hf_apex.norms import ApexFusedLayerNorm, ApexKernelError, is_swapped
+from tests.testing_utils import TINY, tiny_inputs, tiny_model
+
+# family -> the stock norm class its swapped modules come from
+STOCK_NORM = {
+    "gpt2": "LayerNorm",
+    "bert": "LayerNorm",
+    "roberta": "LayerNorm",
+    "distilbert": "LayerNorm",
+    "llama": "LlamaRMSNorm",
+    "qwen2": "Qwen2RMSNorm",
+    "qwen3": "Qwen3RMSNorm",
+    "mistral": "MistralRMSNorm",
+    "t5": "T5LayerNorm",
+}
+assert set(STOCK_NORM) == set(TINY)
+
+
+def _decay_names(model):
+    return sorted(Trainer.get_decay_parameter_names(None, model))
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_rewire_keeps_model_intact(family):
+    model = tiny_model(family)
+    inputs = tiny_inputs(family)
+    with torch.no_grad():
+        before = model(**inputs)[0]
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    decay = _decay_names(model)
+    n_norms = sum(type(m).__name__ == STOCK_NORM[family] for m in model.modules())
+
+    report = rewire(model)
+
+    assert report.num_swapped == n_norms > 0
+    assert all(v.startswith(STOCK_NORM[family]) for v in report.swapped.values())
+    with torch.no_grad():
+        after = model(**inputs)[0]
+    assert torch.equal(before, after), "CPU fallback must be the exact stock op"
+    assert all(p is params[n] for n, p in model.named_parameters()), "Parameters must be the same objects"
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert _decay_names(model) == decay, "weight-decay exclusion of norm weights must not change"
+    assert "ApexFused" in str(model)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_swapped_module_keeps_shape_eps_dtype_and_isinstance(family):
+    model = tiny_model(family).to(torch.float64)
+    stock = {
+        n: (type(m), m.weight.shape, m.weight.dtype)
+        for n, m in model.named_modules()
+        if type(m).__name__ == STOCK_NORM[family]
+    }
+    rewire(model)
+    for name, (cls, shape, dtype) in stock.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, cls) and is_swapped(module)
+        assert module.weight.shape == shape and module.weight.dtype == dtype
+    ln = next(m for m in model.modules() if is_swapped(m))
+    eps = getattr(ln, "eps", None) or getattr(ln, "variance_epsilon", None)
+    assert eps == pytest.approx(1e-5 if family == "gpt2" else 1e-6)
+
+
+def test_gpt2_ln_weights_stay_out_of_weight_decay():
+    """transformers exempts GPT-2's ln_1/ln_2/ln_f only by isinstance(nn.LayerNorm): the swap must keep that."""
+    model = tiny_model("gpt2")
+    rewire(model)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    assert "transformer.h.0.ln_1.weight" not in decay
+    assert "transformer.h.0.attn.c_attn.weight" in decay
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_unrewire_restores_stock_classes(family):
+    model = tiny_model(family)
+    stock_types = {n: type(m) for n, m in model.named_modules()}
+    report = rewire(model)
+    assert unrewire(model) == report.num_swapped
+    assert {n: type(m) for n, m in model.named_modules()} == stock_types
+    assert "ApexFused" not in str(model)
+    assert not any(hasattr(m, "hf_apex_strict") for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "t5"])
+def test_save_pretrained_of_rewired_model_loads_in_stock_transformers(family, tmp_path):
+    model = tiny_model(family)
+    rewire(model)
+    inputs = tiny_inputs(family)
+    with torch.no_grad():
+        want = model(**inputs)[0]
+    model.save_pretrained(tmp_path)
+    loaded = getattr(transformers, TINY[family][1]).from_pretrained(tmp_path).eval()
+    assert not any(is_swapped(m) for m in loaded.modules())
+    with torch.no_grad():
+        got = loaded(**inputs)[0]
+    assert torch.equal(want, got)
+
+
+def test_rewire_is_idempotent_and_counts_fallbacks():
+    model = tiny_model("gpt2")
+    first = rewire(model)
+    second = rewire(model)
+    assert first.swapped == second.swapped
+    with torch.no_grad():
+        model(**tiny_inputs("gpt2"))
+    counts = KERNEL_COUNTER.since(Counter())
+    assert counts["layer_norm"]["apex"] == 0
+    assert counts["layer_norm"]["fallback"] == first.num_swapped
+    (reason,) = counts["layer_norm"]["fallback_reasons"]
+    assert "not available" in reason or "cpu tensor" in reason
+
+
+def test_strict_kernels_raise_instead_of_falling_back():
+    model = tiny_model("gpt2")
+    rewire(model, strict_kernels=True)
+    with pytest.raises(ApexKernelError, match="strict kernels"):
+        model(**tiny_inputs("gpt2"))
+    rewire(model, strict_kernels=False)  # switching strictness off again works
+    model(**tiny_inputs("gpt2"))
+
+
+def test_skipped_modules_are_reported_with_reasons():
+    class MyLN(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.ModuleDict(
+        {
+            "plain": nn.LayerNorm(8),
+            "no_bias": nn.LayerNorm(8, bias=False),
+            "no_affine": nn.LayerNorm(8, elementwise_affine=False),
+            "subclass": MyLN(8),
+            "gemma": transformers.models.gemma.modeling_gemma.GemmaRMSNorm(8),
+            "batch": nn.BatchNorm1d(8),
+        }
+    )
+    report = rewire(model)
+    assert set(report.swapped) == {"plain", "no_affine"}
+    assert "bias-free" in report.skipped["no_bias"]
+    assert "own forward" in report.skipped["subclass"]
+    assert "1 + weight" in report.skipped["gemma"]
+    assert "no apex equivalent" in report.skipped["batch"]
+    assert type(model["plain"]) is ApexFusedLayerNorm
+    assert "skipped" in str(report)
+
+
+def test_unknown_rmsnorm_class_is_swapped_only_when_its_maths_match():
+    class CustomRMSNorm(nn.Module):
+        def __init__(self, n, shift=0.0):
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(n) + 0.5)
+            self.variance_epsilon = 1e-6
+            self.shift = shift
+
+        def forward(self, x):
+            xf = x.float()
+            return (
+                self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) + self.shift
+            )
+
+    model = nn.ModuleDict({"same": CustomRMSNorm(16), "other": CustomRMSNorm(16, shift=1.0)})
+    report = rewire(model)
+    assert list(report.swapped) == ["same"]
+    assert "other" in report.skipped
+
+
+def test_layer_norm_and_rms_norm_switches():
+    model = tiny_model("llama")
+    assert rewire(model, rms_norm=False).num_swapped == 0
+    model = nn.Sequential(nn.LayerNorm(4))
+    report = rewire(model, layer_norm=False)
+    assert report.num_swapped == 0 and "disabled" in report.skipped["0"]

@@ -1,0 +1,203 @@
+import json
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
+from hf_apex.metrics import METRICS_FILENAME
+from hf_apex.norms import is_swapped
+from hf_apex.optim import FusedAdamFallback
+from tests.testing_utils import TokenDataset, tiny_model
+
+SEED_STAGES = list(STAGES)[:4]
+
+
+def train_args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        metrics_warmup_steps=2,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return ApexTrainingArguments(**{**base, **kw})
+
+
+@pytest.mark.parametrize("stage", SEED_STAGES)
+def test_every_stage_trains_and_writes_its_metrics(stage, tmp_path):
+    model = tiny_model("gpt2").train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = ApexTrainer(model=model, args=train_args(tmp_path, stage=stage), train_dataset=TokenDataset())
+    trainer.train()
+
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert metrics["stage"] == stage
+    assert metrics["run"]["steps"] == 6 and metrics["run"]["timed_steps"] == 4
+    assert metrics["run"]["seq_len"] == 16
+    assert metrics["step_time_ms"]["p50"] > 0 and metrics["tokens_per_s"] > 0
+    assert metrics["run"]["precision"] == ("bf16" if stage == "fused_full" else "fp32")
+    assert metrics["provenance"]["torch"] == torch.__version__
+    calls = metrics["kernels"]["calls"]
+    if stage == "baseline":
+        assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
+        assert calls == {} and metrics["rewire"] is None
+    else:
+        # No apex kernels on this machine: the fallback is stated, with its reason, never silent.
+        assert type(trainer.optimizer.optimizer) is FusedAdamFallback
+        assert calls["optimizer"]["apex"] == 0 and calls["optimizer"]["fallback"] == 6
+        assert sum(calls["optimizer"]["fallback_reasons"].values()) == 6  # e.g. "apex amp_C extension not available"
+    if stage in ("fused_adam_ln", "fused_full"):
+        assert metrics["rewire"]["num_swapped"] == 5
+        assert calls["layer_norm"]["fallback"] == 5 * 6 and calls["layer_norm"]["apex"] == 0
+        assert is_swapped(model.transformer.h[0].ln_1)
+    else:
+        assert not is_swapped(model.transformer.h[0].ln_1)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 6 and all("step_time_ms" in h and "tokens_per_s" in h for h in logged)
+    assert [h["loss"] for h in metrics["loss_history"]] == [h["loss"] for h in logged]
+
+
+def test_fused_stages_match_baseline_maths_on_cpu(tmp_path):
+    """Same hyper-parameters and maths in every FP32 stage: the fallback kernels track the baseline closely."""
+    losses = {}
+    for stage in ("baseline", "fused_adam", "fused_adam_ln"):
+        trainer = ApexTrainer(
+            model=tiny_model("gpt2").train(),
+            args=train_args(tmp_path / stage, stage=stage),
+            train_dataset=TokenDataset(),
+        )
+        trainer.train()
+        losses[stage] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    torch.testing.assert_close(losses["fused_adam"], losses["baseline"], rtol=1e-4, atol=1e-5)
+    assert losses["fused_adam_ln"] == losses["fused_adam"]
+
+
+def test_norm_weights_stay_in_the_no_decay_group(tmp_path):
+    model = tiny_model("gpt2")
+    trainer = ApexTrainer(model=model, args=train_args(tmp_path, stage="fused_adam_ln"), train_dataset=TokenDataset())
+    optimizer = trainer.create_optimizer()
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ln_weight = model.transformer.h[0].ln_1.weight
+    assert any(p is ln_weight for p in no_decay["params"])
+    assert not any(p is ln_weight for p in decay["params"])
+
+
+def test_model_init_models_are_rewired_every_time(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(tiny_model("gpt2").train())
+        return built[-1]
+
+    trainer = ApexTrainer(
+        model_init=model_init,
+        args=train_args(tmp_path, stage="fused_adam_ln", max_steps=2),
+        train_dataset=TokenDataset(),
+    )
+    trainer.train()
+    assert len(built) == 2  # once in __init__, again in train()
+    assert all(is_swapped(m.transformer.ln_f) for m in built)
+    assert trainer.rewire_report.num_swapped == 5
+
+
+def test_plain_training_arguments_behave_like_trainer(tmp_path):
+    model = tiny_model("gpt2")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, save_strategy="no")
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert trainer.stage_metrics is None and trainer.rewire_report is None
+    assert not any(is_swapped(m) for m in model.modules())
+    assert not (tmp_path / METRICS_FILENAME).exists()
+    assert type(trainer.optimizer.optimizer).__name__ == "AdamW"
+
+
+@pytest.mark.parametrize(
+    "kw, env, match",
+    [
+        (dict(stage="fused_adam", apex_strict_kernels=True), {}, "amp_C"),
+        (dict(stage="fused_adam_ln", apex_strict_kernels=True), {}, "fused_layer_norm_cuda"),
+        (dict(apex_optimizer="fused_lamb"), {}, "fused_lamb"),
+        (dict(stage="fused_adam"), {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+    ],
+)
+def test_validation_errors_before_training(tmp_path, monkeypatch, kw, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        ApexTrainer(model=tiny_model("gpt2"), args=train_args(tmp_path, **kw), train_dataset=TokenDataset())
+
+
+def test_stock_trainer_with_the_callback_writes_metrics(tmp_path):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=4,
+        save_strategy="no",
+        logging_steps=1,
+        per_device_train_batch_size=2,
+    )
+    callback = StageMetricsCallback(stage="custom", warmup_steps=1)
+    Trainer(
+        model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls"), callbacks=[callback]
+    ).train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert metrics["stage"] == "custom" and metrics["run"]["timed_steps"] == 3
+    assert metrics["tokens_per_s"] > 0 and metrics["samples_per_s"] > 0
+    assert metrics["mfu"] is None  # no GPU, no peak: MFU is not invented
+
+
+def test_peak_tflops_override_gives_mfu(tmp_path):
+    trainer = ApexTrainer(
+        model=tiny_model("gpt2").train(),
+        args=train_args(tmp_path, stage="baseline", peak_tflops=1.0),
+        train_dataset=TokenDataset(),
+    )
+    trainer.train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    fpt = 6 * metrics["model"]["n_params"] + 12 * 2 * 32 * 16
+    assert metrics["mfu"] == pytest.approx(fpt * metrics["tokens_per_s"] / 1e12, rel=1e-9)
+
+
+def test_tokens_come_from_the_attention_mask(tmp_path):
+    class Padded(TokenDataset):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            item["attention_mask"] = torch.cat([torch.ones(10, dtype=torch.long), torch.zeros(6, dtype=torch.long)])
+            return item
+
+    args = train_args(tmp_path, stage="baseline", max_steps=3)
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=Padded())
+    trainer.train()
+    steps = trainer.stage_metrics.steps
+    assert [s.tokens for s in steps] == [4 * 10] * 3 and [s.samples for s in steps] == [4] * 3
+
+
+@pytest.mark.parametrize("stage", ["baseline", "fused_adam"])
+def test_resume_from_checkpoint_continues_the_same_trajectory(stage, tmp_path):
+    def run(out, max_steps=6, resume=None):
+        args = train_args(out, stage=stage, max_steps=max_steps, save_strategy="steps", save_steps=3)
+        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.train(resume_from_checkpoint=resume)
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        return trainer, losses
+
+    straight, straight_losses = run(tmp_path / "run")
+    # A fresh trainer resumes from the step-3 checkpoint that the uninterrupted run saved.
+    again, again_losses = run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-3"))
+    for step in (4, 5, 6):
+        assert again_losses[step] == pytest.approx(straight_losses[step], rel=1e-6, abs=1e-7)
+    if stage == "fused_adam":
+        assert [g["step"] for g in again.optimizer.optimizer.param_groups] == [6, 6]
+    for p, q in zip(straight.model.parameters(), again.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,114 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_apex import STAGES, ApexTrainingArguments
+
+
+def make(**kw):
+    return ApexTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", **kw)
+
+
+@pytest.mark.parametrize(
+    "stage, apex_optimizer, fused_norms, bf16",
+    [
+        ("baseline", "none", False, False),
+        ("fused_adam", "fused_adam", False, False),
+        ("fused_adam_ln", "fused_adam", True, False),
+        ("fused_full", "fused_adam", True, True),
+    ],
+)
+def test_stage_sets_its_switches(stage, apex_optimizer, fused_norms, bf16):
+    args = make(stage=stage)
+    assert args.apex_optimizer == apex_optimizer
+    assert args.apex_fused_norms is fused_norms
+    assert args.bf16 is bf16 and args.fp16 is False
+    assert args.tf32 is False
+    assert args.optim == "adamw_torch"  # foreach torch AdamW, not the fused default
+    assert args.mixed_precision == ("bf16" if bf16 else "no")
+
+
+def test_fused_full_with_fp16():
+    args = make(stage="fused_full", amp_dtype="fp16")
+    assert args.fp16 and not args.bf16
+    assert make(stage="fused_full", fp16=True).amp_dtype == "fp16"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(stage="baseline", bf16=True), "FP32"),
+        (dict(stage="fused_adam_ln", fp16=True), "FP32"),
+        (dict(stage="fused_adam", tf32=True), "tf32"),
+        (dict(stage="baseline", apex_optimizer="fused_adam"), "apex_optimizer"),
+        (dict(stage="fused_adam", apex_optimizer="fused_lamb"), "apex_optimizer"),
+        (dict(stage="fused_adam", apex_fused_norms=True), "apex_fused_norms"),
+        (dict(stage="baseline", optim="sgd"), "optim"),
+        (dict(stage="fused_full", bf16=True, amp_dtype="fp16"), "amp_dtype"),
+        (dict(stage="fused_full", bf16=True, fp16=True), "fp16"),
+        (dict(stage="warp_speed"), "Unknown stage"),
+        (dict(apex_optimizer="adamax"), "apex_optimizer"),
+        (dict(metrics_warmup_steps=-1), "metrics_warmup_steps"),
+    ],
+)
+def test_contradictions_are_value_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kw)
+
+
+def test_no_stage_leaves_trainingarguments_defaults():
+    args = make()
+    plain = dataclasses.fields(ApexTrainingArguments)
+    assert args.stage is None and args.apex_optimizer == "none" and not args.apex_fused_norms
+    assert args.optim == next(f.default for f in plain if f.name == "optim")
+
+
+def test_round_trip_through_to_dict_is_stable():
+    args = make(stage="fused_full", apex_optimizer_kwargs='{"bias_correction": false}')
+    assert args.apex_optimizer_kwargs == {"bias_correction": False}
+    again = ApexTrainingArguments(**args.to_dict())
+    assert (again.bf16, again.apex_optimizer, again.apex_fused_norms) == (True, "fused_adam", True)
+
+
+def test_cli_parsing():
+    (args,) = HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--stage", "fused_adam_ln", "--use_cpu", "--metrics_warmup_steps", "2"]
+    )
+    assert args.apex_fused_norms and args.metrics_warmup_steps == 2
+    with pytest.raises(SystemExit):
+        HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(["--stage", "nope"])
+
+
+def test_help_works_without_apex_and_lists_every_field():
+    code = (
+        "import sys; from transformers import HfArgumentParser; from hf_apex import ApexTrainingArguments; "
+        "HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(['--help'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in (
+        "--stage",
+        "--apex_optimizer",
+        "--apex_fused_norms",
+        "--apex_strict_kernels",
+        "--peak_tflops",
+        "--metrics_warmup_steps",
+        "--amp_dtype",
+        "--profile_kernels",
+    ):
+        assert name in out.stdout
+    assert all(s in out.stdout for s in STAGES)
+
+
+def test_every_field_has_help():
+    own = {f.name for f in dataclasses.fields(ApexTrainingArguments)} - {
+        f.name for f in dataclasses.fields(ApexTrainingArguments.__mro__[1])
+    }
+    assert own
+    for f in dataclasses.fields(ApexTrainingArguments):
+        if f.name in own:
+            assert f.metadata.get("help"), f.name
+            assert f.name in ApexTrainingArguments.__doc__, f.name

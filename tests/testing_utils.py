@@ -1,0 +1,141 @@
+"""Tiny models built from configs, synthetic data, and the skip markers shared by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_apex.import_utils import is_fused_adam_available, is_fused_norm_available
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+require_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+require_apex = pytest.mark.skipif(
+    not (is_fused_adam_available() and is_fused_norm_available()),
+    reason="needs apex built with its C++/CUDA extensions (amp_C, fused_layer_norm_cuda): run `make apex`",
+)
+require_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"real data folder {SHARED_DATA} is absent")
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# family -> (config class, model class, config kwargs); tiny, but every norm type of the family is present.
+TINY = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=32, n_head=2, n_positions=64)),
+    "bert": (
+        "BertConfig",
+        "BertForSequenceClassification",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+        ),
+    ),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=70,
+        ),
+    ),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForSequenceClassification",
+        dict(n_layers=2, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            head_dim=16,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        ),
+    ),
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2, d_ff=64, decoder_start_token_id=0),
+    ),
+}
+
+
+def tiny_model(family: str, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, kwargs = TINY[family]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def tiny_inputs(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if family == "t5":
+        inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (batch, seq // 2), generator=g)
+    return inputs
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences with labels: causal-LM (labels = input_ids) or classification (0/1)."""
+
+    def __init__(self, n: int = 64, seq: int = 16, task: str = "lm", seed: int = 0, vocab: int = VOCAB):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, vocab, (n, seq), generator=g)
+        self.labels = self.ids if task == "lm" else torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
