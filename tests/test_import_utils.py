@@ -41,7 +41,7 @@ def test_python_only_apex_build_counts_as_no_kernels(fake_site):
     assert import_utils.is_apex_available()
     assert not import_utils.is_fused_adam_available()
     assert not import_utils.is_fused_norm_available()
-    assert "not installed" in import_utils.apex_extension_error("amp_C")
+    assert "not installed" in import_utils.apex_extension_error("hf_apex_no_such_extension")
 
 
 def test_built_extensions_are_detected(fake_site):
