@@ -11,18 +11,15 @@ reported, so measuring adds no synchronisation to the training loop. Tokens are 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from .counters import KERNEL_COUNTER
-from .metrics import METRICS_FILENAME, flops_per_token, lookup_peak_tflops, model_shape, percentiles, provenance
+from .metrics import flops_per_token, lookup_peak_tflops, model_shape, percentiles, provenance, write_metrics_file
 from .profiling import KernelProfile
 
 logger = logging.getLogger("hf_apex")
@@ -34,7 +31,8 @@ class _Step:
     step: int
     start: object  # torch.cuda.Event or float (perf_counter)
     end: object
-    tokens: object  # int or 0-d tensor on the device
+    tokens: object  # real tokens (attention_mask): int or 0-d tensor on the device
+    positions: int  # sequence positions computed, padding included (what MFU counts)
     samples: int
     seq_len: int
     skipped: bool = False
@@ -68,6 +66,7 @@ class StageMetricsCallback(TrainerCallback):
         self._window: list[_Step] = []
         self._open: _Step | None = None
         self._tokens = 0
+        self._positions = 0
         self._samples = 0
         self._seq_len = 0
         self._hook = None
@@ -89,6 +88,7 @@ class StageMetricsCallback(TrainerCallback):
         elif isinstance(ids, torch.Tensor):
             self._tokens = self._tokens + ids.numel()
         if isinstance(ids, torch.Tensor) and ids.ndim >= 2:
+            self._positions += ids.numel()
             self._samples += ids.shape[0]
             self._seq_len = max(self._seq_len, ids.shape[-1])
 
@@ -113,13 +113,13 @@ class StageMetricsCallback(TrainerCallback):
         self._start_wall = time.time()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._tokens, self._samples, self._seq_len = 0, 0, 0
+        self._tokens, self._positions, self._samples, self._seq_len = 0, 0, 0, 0
         if self._cuda and self.profile_kernels and self._profile is None and self._should_profile(state):
             self._profile = KernelProfile().start()
         start = torch.cuda.Event(enable_timing=True) if self._cuda else time.perf_counter()
         if self._cuda:
             start.record()
-        self._open = _Step(state.global_step + 1, start, None, 0, 0, 0)
+        self._open = _Step(state.global_step + 1, start, None, 0, 0, 0, 0)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         step = self._open
@@ -131,7 +131,8 @@ class StageMetricsCallback(TrainerCallback):
             step.end.record()
         else:
             step.end = time.perf_counter()
-        step.tokens, step.samples, step.seq_len = self._tokens, self._samples, self._seq_len
+        step.tokens, step.positions = self._tokens, self._positions
+        step.samples, step.seq_len = self._samples, self._seq_len
         step.skipped = bool(getattr(optimizer, "step_was_skipped", False))
         if self._profile is not None and self._profile.running:
             self.kernels_verified = self._profile.stop()
@@ -143,12 +144,7 @@ class StageMetricsCallback(TrainerCallback):
             self._hook = None
         self._resolve()
         if state.is_world_process_zero:
-            path = Path(args.output_dir) / METRICS_FILENAME
-            path.parent.mkdir(parents=True, exist_ok=True)
-            summary = self.summary(args, state)
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-            os.replace(tmp, path)
+            path = write_metrics_file(args.output_dir, self.summary(args, state))
             logger.info("hf_apex: stage metrics written to %s", path)
 
     # -- reporting ---------------------------------------------------------------------------------------
@@ -172,14 +168,16 @@ class StageMetricsCallback(TrainerCallback):
     def _rates(self, steps: list[_Step]) -> dict:
         secs = sum(s.ms for s in steps) / 1e3
         tokens = sum(s.tokens for s in steps)
+        positions = sum(s.positions for s in steps) or tokens
         out = {
             "tokens_per_s": tokens / secs if secs else None,
             "samples_per_s": sum(s.samples for s in steps) / secs if secs else None,
         }
+        # MFU counts the positions the GPU computed, padding included; tokens/s counts real tokens only.
         seq_len = max((s.seq_len for s in steps), default=0)
         fpt = flops_per_token(self._shape, seq_len) if self._shape else None
         peak = self.resolved_peak_tflops()
-        out["mfu"] = fpt * out["tokens_per_s"] / (peak * 1e12) if fpt and peak and out["tokens_per_s"] else None
+        out["mfu"] = fpt * positions / secs / (peak * 1e12) if fpt and peak and secs else None
         return out
 
     def resolved_peak_tflops(self) -> float | None:
@@ -248,7 +246,7 @@ class StageMetricsCallback(TrainerCallback):
             "step_time_ms": percentiles([s.ms for s in timed]),
             **self._rates(timed),
             "peak_tflops": peak,
-            "mfu_formula": "(6N + 12*L*d*T) * tokens_per_s / peak; N excludes position embeddings",
+            "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N without position embeddings; padding counted",
             **self._memory(),
             "skipped_steps": sum(s.skipped for s in self.steps),
             "loss": {"first": losses[0]["loss"] if losses else None, "last": losses[-1]["loss"] if losses else None},

@@ -143,3 +143,20 @@ def provenance() -> dict:
         "python": platform.python_version(),
         "host_cpu_count": os.cpu_count(),
     }
+
+
+def write_metrics_file(output_dir: str | os.PathLike, data: dict) -> Path:
+    """Write ``<output_dir>/hf_apex_metrics.json`` atomically (a crash never leaves half a file)."""
+    path = Path(output_dir) / METRICS_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def update_metrics_file(output_dir: str | os.PathLike, **sections) -> Path:
+    """Merge ``sections`` (e.g. ``eval={...}``) into the run's metrics JSON."""
+    path = Path(output_dir) / METRICS_FILENAME
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return write_metrics_file(output_dir, {**data, **sections})

@@ -184,6 +184,7 @@ def test_tokens_come_from_the_attention_mask(tmp_path):
     trainer.train()
     steps = trainer.stage_metrics.steps
     assert [s.tokens for s in steps] == [4 * 10] * 3 and [s.samples for s in steps] == [4] * 3
+    assert [s.positions for s in steps] == [4 * 16] * 3  # MFU counts padded positions: the GPU computes them
 
 
 @pytest.mark.parametrize("stage", ["baseline", "fused_adam"])
