@@ -93,7 +93,6 @@ class ApexTrainer(Trainer):
         if not self.args.apex_fused_norms:
             return None
         report = rewire(model, strict_kernels=self.args.apex_strict_kernels)
-        logger.info("%s", report)
         if report.num_swapped == 0:
             logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
         return report

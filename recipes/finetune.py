@@ -1,0 +1,320 @@
+"""Fine-tune (or train from scratch) a Hugging Face model at any hf_apex stage, on real data.
+
+Tasks: `sst2` (sequence classification, accuracy on the dev split) and `wikitext2` (causal LM packed into
+fixed blocks, perplexity on the validation split). Every `TrainingArguments` / `ApexTrainingArguments` flag
+works; `python recipes/finetune.py --help` lists them all.
+
+    # Online: models and datasets from the Hugging Face Hub
+    python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full
+    python recipes/finetune.py --task wikitext2 --model_name_or_path gpt2 --stage fused_full
+
+    # Offline (HF_HUB_OFFLINE=1): local data files, a local tokenizer, and a config to train from scratch
+    python recipes/finetune.py --task sst2 --data_dir ../shared/data --model_type bert \
+        --tokenizer_name ../shared/data/tokenizers/bert-base-uncased --stage fused_full
+    python recipes/finetune.py --task wikitext2 --data_dir ../shared/data --model_type gpt2 \
+        --tokenizer_name ../shared/data/tokenizers/gpt2 --block_size 1024 --stage fused_full
+
+`--data_dir` holds `sst2/{train,dev}.tsv` (columns `sentence`, `label`) and/or
+`wikitext-2/{train,valid}.txt`. The eval accuracy or perplexity is written into
+`<output_dir>/hf_apex_metrics.json` beside the stage's speed and memory figures.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    default_data_collator,
+    set_seed,
+)
+
+from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.metrics import update_metrics_file
+
+logger = logging.getLogger("finetune")
+
+TASKS = {
+    # task -> (hub dataset, local files under --data_dir: split -> relative path)
+    "sst2": (("glue", "sst2"), {"train": "sst2/train.tsv", "validation": "sst2/dev.tsv"}),
+    "wikitext2": (
+        ("wikitext", "wikitext-2-raw-v1"),
+        {"train": "wikitext-2/train.txt", "validation": "wikitext-2/valid.txt"},
+    ),
+}
+OFFLINE_HINT = (
+    "Offline alternatives: --data_dir DIR with local files, --model_name_or_path /local/model/dir, or "
+    "--model_type bert|gpt2|... --tokenizer_name /local/tokenizer/dir to train from scratch."
+)
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on: the task, its data and the model (flags follow the HF example scripts)."""
+
+    task: str = field(default="sst2", metadata={"help": "Task to train.", "choices": list(TASKS)})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local directory of a pretrained model (loaded in float32)."}
+    )
+    model_type: str | None = field(
+        default=None, metadata={"help": "Train from scratch with this architecture's default config (random init)."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "With --model_type: config overrides 'k=v,...', e.g. 'n_layer=6,n_embd=512'."}
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Tokenizer hub id or directory (default: --model_name_or_path)."}
+    )
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Local data: sst2/{train,dev}.tsv and wikitext-2/{train,valid}.txt."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many eval examples."})
+    max_seq_length: int = field(default=128, metadata={"help": "sst2: truncate sentences to this many tokens."})
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={
+            "help": "sst2: pad every batch to max_seq_length (fixed shapes, for benchmarks) instead of dynamically."
+        },
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "wikitext2: tokens per training block (default: min(1024, model maximum))."}
+    )
+    save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to --output_dir."})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = HfArgumentParser((ScriptArguments, ApexTrainingArguments))
+    script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    check_args(script_args)
+    set_seed(training_args.seed)
+
+    # 1. Tokenizer, raw data, model
+    tokenizer = load_tokenizer(script_args)
+    raw = load_raw_data(script_args)
+    model = load_model(script_args, tokenizer)
+
+    # 2. Task-specific preprocessing and evaluation
+    prepare = prepare_sst2 if script_args.task == "sst2" else prepare_wikitext2
+    train_ds, eval_ds, collator, compute_metrics = prepare(script_args, raw, tokenizer, model, training_args)
+
+    # 3. Train at the requested stage (ApexTrainer rewires the model and records the stage metrics)
+    trainer = ApexTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=collator,
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=argmax_logits if script_args.task == "sst2" else None,
+    )
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    # 4. Evaluate, and put quality next to cost in the metrics JSON
+    eval_metrics = trainer.evaluate()
+    if script_args.task == "wikitext2":
+        eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
+    trainer.log_metrics("eval", eval_metrics)
+    if trainer.is_world_process_zero():
+        update_metrics_file(
+            training_args.output_dir,
+            task=script_args.task,
+            eval={k: float(v) for k, v in eval_metrics.items()},
+            train={k: float(v) for k, v in train_result.metrics.items()},
+            data={"train_examples": len(train_ds), "eval_examples": len(eval_ds), "source": data_source(script_args)},
+        )
+    if script_args.save_final_model:
+        trainer.save_model()
+    return eval_metrics
+
+
+def check_args(args: ScriptArguments) -> None:
+    if (args.model_name_or_path is None) == (args.model_type is None):
+        raise ValueError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
+    if args.model_type is not None and args.tokenizer_name is None:
+        raise ValueError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
+    if args.config_overrides is not None and args.model_type is None:
+        raise ValueError("--config_overrides only applies with --model_type.")
+    for name in ("max_train_samples", "max_eval_samples", "block_size"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name} must be positive, got {value}.")
+
+
+def hub_call(what: str, fn, *args, **kwargs):
+    """Run a loader that may need the Hub; turn an offline/unreachable failure into a message with alternatives."""
+    try:
+        return fn(*args, **kwargs)
+    except (OSError, ConnectionError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        raise ValueError(
+            f"Could not load {what}{' (HF_HUB_OFFLINE is set)' if offline else ''}: {exc}\n{OFFLINE_HINT}"
+        ) from exc
+
+
+def load_tokenizer(args: ScriptArguments):
+    name = args.tokenizer_name or args.model_name_or_path
+    tokenizer = hub_call(f"tokenizer {name!r}", AutoTokenizer.from_pretrained, name)
+    if tokenizer.pad_token is None:  # GPT-2 style tokenizers: pad with EOS (never attended to)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def data_source(args: ScriptArguments) -> str:
+    if args.data_dir is None:
+        return "hub:" + "/".join(TASKS[args.task][0])
+    return str(Path(args.data_dir).resolve())
+
+
+def load_raw_data(args: ScriptArguments) -> datasets.DatasetDict:
+    hub_name, files = TASKS[args.task]
+    if args.data_dir is None:
+        return hub_call(f"dataset {'/'.join(hub_name)!r} from the Hub", datasets.load_dataset, *hub_name)
+    paths = {split: Path(args.data_dir) / rel for split, rel in files.items()}
+    for split, path in paths.items():
+        if not path.is_file():
+            raise ValueError(f"{path}: {split} file not found (--data_dir must hold {', '.join(files.values())}).")
+        if path.stat().st_size == 0:
+            raise ValueError(f"{path}: file is empty.")
+    if args.task == "wikitext2":
+        return datasets.load_dataset("text", data_files={k: str(v) for k, v in paths.items()})
+    raw = datasets.DatasetDict()
+    for split, path in paths.items():
+        raw[split] = read_tsv(path, columns=("sentence", "label"))
+    return raw
+
+
+def read_tsv(path: Path, columns: tuple[str, str]) -> datasets.Dataset:
+    """A GLUE-style TSV with a header; every row must have exactly the header's fields."""
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    header, body = rows[0], rows[1:]
+    if set(columns) - set(header):
+        raise ValueError(f"{path}: columns are {header}, expected {list(columns)}.")
+    if not body:
+        raise ValueError(f"{path}: has a header but no rows.")
+    bad = next((i for i, r in enumerate(body, start=2) if len(r) != len(header)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: line {bad} has {len(body[bad - 2])} fields, the header has {len(header)}.")
+    table = {name: [r[header.index(name)] for r in body] for name in columns}
+    try:
+        table["label"] = [int(v) for v in table["label"]]
+    except ValueError as exc:
+        raise ValueError(f"{path}: labels must be integers ({exc}).") from None
+    return datasets.Dataset.from_dict(table)
+
+
+def load_model(args: ScriptArguments, tokenizer):
+    auto_cls = AutoModelForSequenceClassification if args.task == "sst2" else AutoModelForCausalLM
+    extra = {"num_labels": 2} if args.task == "sst2" else {}
+    if args.model_name_or_path is not None:
+        name = args.model_name_or_path
+        model = hub_call(f"model {name!r}", auto_cls.from_pretrained, name, dtype=torch.float32, **extra)
+    else:
+        config = AutoConfig.for_model(args.model_type, **extra)
+        if args.config_overrides:
+            config.update_from_string(args.config_overrides)
+        config.vocab_size = max(config.vocab_size, len(tokenizer))
+        logger.warning("Training %s FROM SCRATCH (random init); config: %s", args.model_type, config.to_diff_dict())
+        model = auto_cls.from_config(config)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def model_max_positions(model) -> int | None:
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def prepare_sst2(args, raw, tokenizer, model, training_args):
+    num_labels = model.config.num_labels
+    for split in ("train", "validation"):
+        labels = raw[split]["label"]
+        if min(labels) < 0 or max(labels) >= num_labels:
+            where = Path(args.data_dir, TASKS["sst2"][1][split]) if args.data_dir else f"{split} split"
+            raise ValueError(
+                f"{where}: labels span [{min(labels)}, {max(labels)}], outside the model's {num_labels} labels."
+            )
+    raw = limit(raw, args)
+    padding = "max_length" if args.pad_to_max_length else False
+
+    def tokenize(batch):
+        return tokenizer(batch["sentence"], truncation=True, max_length=args.max_seq_length, padding=padding)
+
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized = raw.map(tokenize, batched=True, remove_columns=["sentence"], desc="Tokenizing")
+    collator = default_data_collator if args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
+    return tokenized["train"], tokenized["validation"], collator, accuracy
+
+
+def prepare_wikitext2(args, raw, tokenizer, model, training_args):
+    max_positions = model_max_positions(model)
+    block = args.block_size or min(1024, max_positions or 1024)
+    if max_positions is not None and block > max_positions:
+        raise ValueError(f"--block_size {block} is longer than the model's maximum of {max_positions} positions.")
+
+    def tokenize(batch):
+        return tokenizer(batch["text"])
+
+    def pack(batch):  # concatenate everything, cut into blocks of `block` tokens, drop the remainder
+        joined = {k: sum(batch[k], []) for k in batch}
+        usable = (len(joined["input_ids"]) // block) * block
+        out = {k: [v[i : i + block] for i in range(0, usable, block)] for k, v in joined.items()}
+        out["labels"] = [ids.copy() for ids in out["input_ids"]]
+        return out
+
+    with training_args.main_process_first(desc="tokenizing"):
+        transformers.utils.logging.set_verbosity_error()  # "sequence longer than max" is expected before packing
+        tokenized = raw.map(tokenize, batched=True, remove_columns=["text"], desc="Tokenizing")
+        transformers.utils.logging.set_verbosity_warning()
+        packed = tokenized.map(pack, batched=True, batch_size=1000, desc=f"Packing into blocks of {block}")
+    for split in ("train", "validation"):
+        if len(packed[split]) == 0:
+            raise ValueError(
+                f"{split} split holds fewer than {block} tokens: nothing to train on at --block_size {block}."
+            )
+    packed = limit(packed, args)
+    return packed["train"], packed["validation"], default_data_collator, None
+
+
+def limit(ds: datasets.DatasetDict, args: ScriptArguments) -> datasets.DatasetDict:
+    if args.max_train_samples is not None:
+        ds["train"] = ds["train"].select(range(min(args.max_train_samples, len(ds["train"]))))
+    if args.max_eval_samples is not None:
+        ds["validation"] = ds["validation"].select(range(min(args.max_eval_samples, len(ds["validation"]))))
+    return ds
+
+
+def argmax_logits(logits, labels):
+    return logits.argmax(dim=-1)
+
+
+def accuracy(eval_pred) -> dict[str, float]:
+    predictions, labels = eval_pred
+    return {"accuracy": float(np.mean(np.asarray(predictions) == np.asarray(labels)))}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as exc:  # bad input: one clear line, no traceback
+        sys.exit(f"finetune.py: error: {exc}")

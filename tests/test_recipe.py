@@ -1,0 +1,341 @@
+"""recipes/finetune.py end to end on CPU: real slices of ../shared/data, generated data, resume, bad input."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_apex.metrics import METRICS_FILENAME
+from tests.testing_utils import SHARED_DATA, require_shared_data
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+TINY_BERT = "num_hidden_layers=2,hidden_size=32,num_attention_heads=2,intermediate_size=64,max_position_embeddings=128"
+TINY_GPT2 = "n_layer=2,n_embd=32,n_head=2,n_positions=128"
+WORDS = "the a movie film was is great bad good awful fun dull plot acting not very really truly".split()
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+finetune = load_recipe()
+
+
+def common(out, *extra):
+    return [
+        "--output_dir",
+        str(out),
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--metrics_warmup_steps",
+        "1",
+        "--seed",
+        "0",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+    """A real BertTokenizer over a small generated vocabulary (no download, no shared data)."""
+    from transformers import BertTokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def generated_data(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    root = tmp_path / "data"
+    (root / "sst2").mkdir(parents=True)
+    (root / "wikitext-2").mkdir()
+    for name, n in (("train", 64), ("dev", 16)):
+        rows = [f"{' '.join(rng.choices(WORDS, k=rng.randint(3, 12)))} \t{rng.randint(0, 1)}" for _ in range(n)]
+        (root / "sst2" / f"{name}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    for name, n in (("train", 200), ("valid", 40)):
+        lines = [" " + " ".join(rng.choices(WORDS, k=rng.randint(5, 30))) + " " for _ in range(n)]
+        (root / "wikitext-2" / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def real_slices(tmp_path_factory):
+    """The first lines of the real SST-2 and WikiText-2 files from ../shared/data (never copied into the repo)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent")
+    root = tmp_path_factory.mktemp("real")
+    for rel, n in (
+        ("sst2/train.tsv", 257),
+        ("sst2/dev.tsv", 65),
+        ("wikitext-2/train.txt", 400),
+        ("wikitext-2/valid.txt", 120),
+    ):
+        (root / rel).parent.mkdir(exist_ok=True)
+        with (SHARED_DATA / rel).open() as src:
+            (root / rel).write_text("".join(line for _, line in zip(range(n), src)))
+    return root
+
+
+def metrics_of(out):
+    return json.loads((Path(out) / METRICS_FILENAME).read_text())
+
+
+@require_shared_data
+def test_sst2_on_real_data(real_slices, tmp_path):
+    tok = str(SHARED_DATA / "tokenizers" / "bert-base-uncased")
+    finetune.main(
+        [
+            "--task",
+            "sst2",
+            "--data_dir",
+            str(real_slices),
+            "--model_type",
+            "bert",
+            "--tokenizer_name",
+            tok,
+            "--config_overrides",
+            TINY_BERT,
+            "--stage",
+            "baseline",
+            "--max_steps",
+            "4",
+            *common(tmp_path / "out"),
+        ]
+    )
+    m = metrics_of(tmp_path / "out")
+    assert m["task"] == "sst2" and m["stage"] == "baseline"
+    assert m["data"] == {"train_examples": 256, "eval_examples": 64, "source": str(real_slices)}
+    assert 0.0 <= m["eval"]["eval_accuracy"] <= 1.0 and m["tokens_per_s"] > 0
+    assert (tmp_path / "out" / "config.json").is_file()  # the final model is saved
+
+
+@require_shared_data
+def test_wikitext2_on_real_data(real_slices, tmp_path):
+    tok = str(SHARED_DATA / "tokenizers" / "gpt2")
+    finetune.main(
+        [
+            "--task",
+            "wikitext2",
+            "--data_dir",
+            str(real_slices),
+            "--model_type",
+            "gpt2",
+            "--tokenizer_name",
+            tok,
+            "--config_overrides",
+            TINY_GPT2,
+            "--block_size",
+            "64",
+            "--stage",
+            "fused_full",
+            "--max_steps",
+            "3",
+            *common(tmp_path / "out"),
+        ]
+    )
+    m = metrics_of(tmp_path / "out")
+    assert m["run"]["seq_len"] == 64 and m["run"]["precision"] == "bf16"
+    assert m["eval"]["eval_perplexity"] == pytest.approx(2.718281828 ** m["eval"]["eval_loss"], rel=1e-6)
+    assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0  # CPU: the fallback is stated
+
+
+@pytest.mark.parametrize(
+    "task, model_type, overrides", [("sst2", "bert", TINY_BERT), ("wikitext2", "gpt2", TINY_GPT2)]
+)
+def test_generated_data(task, model_type, overrides, generated_data, word_tokenizer, tmp_path):
+    extra = ["--block_size", "32"] if task == "wikitext2" else ["--pad_to_max_length", "--max_seq_length", "16"]
+    finetune.main(
+        [
+            "--task",
+            task,
+            "--data_dir",
+            str(generated_data),
+            "--model_type",
+            model_type,
+            "--tokenizer_name",
+            word_tokenizer,
+            "--config_overrides",
+            overrides,
+            "--stage",
+            "fused_adam_ln",
+            "--max_steps",
+            "3",
+            "--max_eval_samples",
+            "8",
+            *extra,
+            *common(tmp_path / "out"),
+        ]
+    )
+    m = metrics_of(tmp_path / "out")
+    assert m["data"]["eval_examples"] == 8 and m["rewire"]["num_swapped"] > 0
+    assert m["run"]["seq_len"] == (32 if task == "wikitext2" else 16)
+
+
+@pytest.mark.parametrize("stage", ["baseline", "fused_adam"])
+def test_resume_continues_the_same_loss_trajectory(stage, generated_data, word_tokenizer, tmp_path):
+    def run(out, *extra):
+        finetune.main(
+            [
+                "--task",
+                "sst2",
+                "--data_dir",
+                str(generated_data),
+                "--model_type",
+                "bert",
+                "--tokenizer_name",
+                word_tokenizer,
+                "--config_overrides",
+                TINY_BERT,
+                "--stage",
+                stage,
+                "--max_steps",
+                "6",
+                "--learning_rate",
+                "1e-3",
+                *common(out, "--save_strategy", "steps", "--save_steps", "3"),
+                *extra,
+            ]
+        )
+        state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+    straight = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"))
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+        cwd=RECIPE.parents[1],
+    )
+
+
+def test_help_lists_every_flag():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for flag in ("--task", "--data_dir", "--model_type", "--stage", "--learning_rate", "--resume_from_checkpoint"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--task", "sst2", "--model_name_or_path", "bert-base-uncased"], "tokenizer 'bert-base-uncased'"),
+        (["--task", "wikitext2", "--model_type", "gpt2", "--tokenizer_name", "WORDTOK"], "wikitext"),
+    ],
+)
+def test_offline_hub_names_fail_with_the_offline_alternative(args, says, word_tokenizer, tmp_path):
+    args = [a.replace("WORDTOK", word_tokenizer) for a in args]
+    out = run_cli(*args, "--output_dir", str(tmp_path / "out"), "--use_cpu", env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0
+    assert says in out.stderr and "HF_HUB_OFFLINE is set" in out.stderr
+    assert "--data_dir" in out.stderr and "--model_type" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_task_is_refused():
+    out = run_cli("--task", "mnli", "--model_type", "bert")
+    assert out.returncode == 2 and "invalid choice: 'mnli'" in out.stderr
+
+
+def _break(data, kind):
+    tsv = data / "sst2" / "train.tsv"
+    if kind == "missing":
+        tsv.unlink()
+    elif kind == "empty":
+        tsv.write_text("")
+    elif kind == "ragged":
+        tsv.write_text("sentence\tlabel\ngood film \t1\nbad\tfilm\t0\n")
+    elif kind == "columns":
+        tsv.write_text("text\ttarget\ngood film \t1\n")
+    elif kind == "labels":
+        tsv.write_text("sentence\tlabel\ngood film \t1\nbad film \t5\n")
+    return tsv
+
+
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("missing", "train file not found"),
+        ("empty", "file is empty"),
+        ("ragged", "line 3 has 3 fields"),
+        ("columns", "columns are ['text', 'target']"),
+        ("labels", "outside the model's 2 labels"),
+    ],
+)
+def test_bad_sst2_input_names_the_file(kind, says, generated_data, word_tokenizer, tmp_path):
+    path = _break(generated_data, kind)
+    with pytest.raises(ValueError, match=re.escape(says)) as err:
+        finetune.main(
+            [
+                "--task",
+                "sst2",
+                "--data_dir",
+                str(generated_data),
+                "--model_type",
+                "bert",
+                "--tokenizer_name",
+                word_tokenizer,
+                "--config_overrides",
+                TINY_BERT,
+                *common(tmp_path / "out"),
+            ]
+        )
+    assert str(path) in str(err.value)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_block_size_longer_than_the_model_is_refused(generated_data, word_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="--block_size 256 is longer than the model's maximum of 128"):
+        finetune.main(
+            [
+                "--task",
+                "wikitext2",
+                "--data_dir",
+                str(generated_data),
+                "--model_type",
+                "gpt2",
+                "--tokenizer_name",
+                word_tokenizer,
+                "--config_overrides",
+                TINY_GPT2,
+                "--block_size",
+                "256",
+                *common(tmp_path / "out"),
+            ]
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipes_is_not_a_package():
+    with pytest.raises(ModuleNotFoundError, match="scripts"):
+        import recipes  # noqa: F401
