@@ -17,9 +17,9 @@ _EXPORTS = {
     "STAGES": "stages",
     "StageConfig": "stages",
     "StageMetricsCallback": "callbacks",
-    "RewireReport": "rewire",
-    "rewire": "rewire",
-    "unrewire": "rewire",
+    "RewireReport": "surgery",
+    "rewire": "surgery",
+    "unrewire": "surgery",
     "KERNEL_COUNTER": "counters",
 }
 
@@ -28,7 +28,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:
     from .callbacks import StageMetricsCallback
     from .counters import KERNEL_COUNTER
-    from .rewire import RewireReport, rewire, unrewire
+    from .surgery import RewireReport, rewire, unrewire
     from .stages import STAGES, StageConfig
     from .trainer import ApexTrainer
     from .training_args import ApexTrainingArguments

@@ -74,7 +74,7 @@ def runtime_proof() -> dict:
 
     from .optim import _apex_classes
     from .profiling import KernelProfile
-    from .rewire import rewire
+    from .surgery import rewire
 
     torch.manual_seed(0)
     hidden = 1024

@@ -22,7 +22,7 @@ from transformers import Trainer
 from .callbacks import StageMetricsCallback
 from .import_utils import APEX_BUILD_HINT, is_fused_adam_available, is_fused_norm_available
 from .optim import apex_optimizer_cls_and_kwargs
-from .rewire import RewireReport, rewire
+from .surgery import RewireReport, rewire
 from .training_args import ApexTrainingArguments
 
 logger = logging.getLogger("hf_apex")

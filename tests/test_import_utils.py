@@ -66,7 +66,7 @@ def test_import_hf_apex_never_imports_apex(tmp_path):
     _write(tmp_path, "apex/__init__.py", "raise RuntimeError('hf_apex imported apex')\n")
     _write(tmp_path, "apex/optimizers/__init__.py")
     code = (
-        "import hf_apex, hf_apex.trainer, hf_apex.doctor, hf_apex.callbacks, hf_apex.rewire, sys; "
+        "import hf_apex, hf_apex.trainer, hf_apex.doctor, hf_apex.callbacks, hf_apex.surgery, sys; "
         "from hf_apex import ApexTrainer, ApexTrainingArguments, rewire, unrewire, STAGES; "
         "assert 'apex' not in sys.modules, 'apex was imported'"
     )
@@ -74,4 +74,13 @@ def test_import_hf_apex_never_imports_apex(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": env_path}, timeout=300
     )
+    assert out.returncode == 0, out.stderr
+
+
+def test_public_names_are_the_functions_even_after_submodules_load():
+    code = (
+        "import hf_apex.trainer, hf_apex.surgery; from hf_apex import rewire, unrewire, ApexTrainer, STAGES; "
+        "assert callable(rewire) and callable(unrewire) and rewire.__name__ == 'rewire'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,289 @@
+"""The seed's incremental stage benchmark: each stage in a fresh process, through recipes/finetune.py.
+
+    make bench                                   # what this runs, with the defaults below
+    python recipes/bench.py --models bert gpt2 --stages baseline fused_adam fused_adam_ln fused_full
+
+For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path users take) for
+`--warmup + --steps` optimizer steps with a fixed seed, and, unless `--no_plain_loop`, the same model, data,
+optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
+It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
+
+Defaults saturate a large GPU: BERT-base on SST-2 at 128 sequences x 128 tokens (padded) and GPT-2 124M on
+WikiText-2 at 16 x 1024. Smaller batches (BERT 32 x 128 on an H200) are limited by kernel-launch overhead
+and hide the differences. Without CUDA the benchmark shrinks to tiny models and says, in the banner and on
+every row, that its numbers are torch fallbacks, not apex kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_apex import STAGES
+from hf_apex.bench import add_ratios, format_table, row_from_metrics, write_outputs
+from hf_apex.import_utils import is_fused_adam_available, is_fused_norm_available
+from hf_apex.metrics import METRICS_FILENAME, percentiles, provenance
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+
+# model -> task, architecture, tokenizer (folder under <data_dir>/tokenizers, else hub id), shape flags
+MODELS = {
+    "bert": dict(
+        task="sst2",
+        model_type="bert",
+        tokenizer="bert-base-uncased",
+        shape=["--pad_to_max_length", "--max_seq_length", "128"],
+        batch=128,
+        eval_samples=512,
+    ),
+    "gpt2": dict(
+        task="wikitext2",
+        model_type="gpt2",
+        tokenizer="gpt2",
+        shape=["--block_size", "1024"],
+        batch=16,
+        eval_samples=64,
+    ),
+}
+# Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
+TINY = {
+    "bert": dict(
+        overrides="num_hidden_layers=2,hidden_size=64,num_attention_heads=2,intermediate_size=128",
+        shape=["--pad_to_max_length", "--max_seq_length", "32"],
+        batch=8,
+        eval_samples=32,
+    ),
+    "gpt2": dict(overrides="n_layer=2,n_embd=64,n_head=2", shape=["--block_size", "64"], batch=8, eval_samples=8),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Run the hf_apex stage ladder and print the table.")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--stages", nargs="+", default=list(STAGES)[:4], choices=list(STAGES))
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 40 on CUDA, 6 on CPU)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed warm-up steps (default 10 on CUDA, 2 on CPU)"
+    )
+    parser.add_argument("--batch", action="append", default=[], metavar="MODEL=N", help="batch size, e.g. bert=64")
+    parser.add_argument(
+        "--data_dir",
+        default=str(DEFAULT_DATA) if DEFAULT_DATA.is_dir() else None,
+        help="local data (sst2/, wikitext-2/, tokenizers/); default ../shared/data if present, else the Hub",
+    )
+    parser.add_argument("--out_dir", default=".bench")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (the default without CUDA)")
+    parser.add_argument("--no_plain_loop", action="store_true", help="skip the plain-loop reference runs")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
+    spec, tiny = MODELS[name], TINY[name]
+    data = Path(opts.data_dir) if opts.data_dir else None
+    tok_dir = data / "tokenizers" / spec["tokenizer"] if data else None
+    batch = dict(b.split("=") for b in opts.batch).get(name, tiny["batch"] if opts.tiny else spec["batch"])
+    args = [
+        "--task",
+        spec["task"],
+        "--model_type",
+        spec["model_type"],
+        "--stage",
+        stage,
+        "--tokenizer_name",
+        str(tok_dir) if tok_dir and tok_dir.is_dir() else spec["tokenizer"],
+        *(["--data_dir", str(data)] if data else []),
+        *(tiny["shape"] if opts.tiny else spec["shape"]),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--per_device_eval_batch_size",
+        str(batch),
+        "--max_steps",
+        str(opts.warmup + opts.steps),
+        "--metrics_warmup_steps",
+        str(opts.warmup),
+        "--max_eval_samples",
+        str(tiny["eval_samples"] if opts.tiny else spec["eval_samples"]),
+        "--learning_rate",
+        "1e-4",
+        "--warmup_steps",
+        "0.1",
+        "--weight_decay",
+        "0.01",
+        "--seed",
+        str(opts.seed),
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--save_final_model",
+        "false",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--output_dir",
+        str(out),
+        "--dataloader_num_workers",
+        "2",
+    ]
+    if opts.tiny:
+        args += ["--config_overrides", tiny["overrides"]]
+    if not torch.cuda.is_available():
+        args += ["--use_cpu"]
+    return args
+
+
+def run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}")
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    opts.tiny = opts.tiny or not cuda
+    opts.steps = opts.steps or (40 if cuda else 6)
+    opts.warmup = opts.warmup if opts.warmup is not None else (10 if cuda else 2)
+    kernels = cuda and is_fused_adam_available() and is_fused_norm_available()
+    prov = provenance()
+    if kernels:
+        banner = f"hf_apex stage benchmark on {prov['gpu']} (apex kernels)"
+    else:
+        why = "no CUDA" if not cuda else "apex kernels missing"
+        banner = f"FALLBACK NUMBERS ({why}, no apex kernels): torch fallbacks stand in for apex; not apex results"
+    banner += (
+        f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {prov['apex'].get('commit', 'n/a')}"
+    )
+    print(banner, flush=True)
+
+    out_dir = Path(opts.out_dir)
+    rows = []
+    for name, stage in itertools.product(opts.models, opts.stages):
+        run_dir = out_dir / "runs" / f"{name}-{stage}"
+        t0 = time.time()
+        run(
+            [sys.executable, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)],
+            out_dir / f"{name}-{stage}.log",
+        )
+        metrics = json.loads((run_dir / METRICS_FILENAME).read_text())
+        plain = None
+        if not opts.no_plain_loop:
+            plain_json = out_dir / "runs" / f"{name}-{stage}-plain.json"
+            cmd = [
+                sys.executable,
+                str(HERE / "bench.py"),
+                "--plain-loop-worker",
+                str(plain_json),
+                *finetune_args(name, stage, opts, run_dir / "plain"),
+            ]
+            run(cmd, out_dir / f"{name}-{stage}-plain.log")
+            plain = json.loads(plain_json.read_text())
+        row = row_from_metrics(name, metrics, plain)
+        rows.append(row)
+        print(f"  {name:5s} {stage:14s} p50 {row.step_time_ms_p50:8.1f} ms  ({time.time() - t0:.0f} s)", flush=True)
+    add_ratios(rows)
+    config = {k: v for k, v in vars(opts).items()}
+    config["command"] = " ".join(["python", "recipes/bench.py", *(argv if argv is not None else sys.argv[1:])])
+    paths = write_outputs(rows, out_dir, banner, config)
+    print(format_table(rows, banner))
+    print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def plain_loop_worker(out_json: str, argv: list[str]) -> None:
+    """The same model, data, optimizer and precision as the finetune.py run, in a plain PyTorch loop."""
+    from transformers import HfArgumentParser, Trainer, set_seed
+
+    from hf_apex import ApexTrainer, ApexTrainingArguments, rewire
+
+    spec = importlib.util.spec_from_file_location("finetune", HERE / "finetune.py")
+    ft = importlib.util.module_from_spec(spec)
+    sys.modules["finetune"] = ft
+    spec.loader.exec_module(ft)
+
+    script_args, args = HfArgumentParser((ft.ScriptArguments, ApexTrainingArguments)).parse_args_into_dataclasses(argv)
+    set_seed(args.seed)
+    tokenizer = ft.load_tokenizer(script_args)
+    model = ft.load_model(script_args, tokenizer)
+    prepare = ft.prepare_sst2 if script_args.task == "sst2" else ft.prepare_wikitext2
+    train_ds, _, collator, _ = prepare(script_args, ft.load_raw_data(script_args), tokenizer, model, args)
+    if args.apex_fused_norms:
+        rewire(model)
+    device = args.device
+    model.to(device).train()
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    opt_cls, kwargs = ApexTrainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = opt_cls(groups, **kwargs)
+    loader = torch.utils.data.DataLoader(
+        train_ds,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        collate_fn=collator,
+        drop_last=True,
+        num_workers=2,
+    )
+    dtype = torch.bfloat16 if args.bf16 else torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    marks, losses = [], []
+    for _ in range(args.max_steps):
+        batch = next(batches)
+        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            start.record()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=args.bf16 or args.fp16):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            end.record()
+        marks.append((start, end))
+        losses.append(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in marks]
+    result = {
+        "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),
+        "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "losses": [float(v) for v in losses],
+    }
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--plain-loop-worker":
+        plain_loop_worker(sys.argv[2], sys.argv[3:])
+        sys.exit(0)
+    sys.exit(main())
