@@ -9,13 +9,23 @@ APEX_SRC ?=
 APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
+# make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults
+# of recipes/bench.py (CUDA: 10 warm-up + 40 timed steps, BERT 128x128, GPT-2 16x1024; CPU: tiny models).
+BENCH_MODELS ?= bert gpt2
+BENCH_STAGES ?= baseline fused_adam fused_adam_ln fused_full
+BENCH_STEPS ?=
+BENCH_WARMUP ?=
+BENCH_BATCH ?=
+BENCH_DIR ?= .bench
+BENCH_ARGS ?=
 
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
-.PHONY: help install apex doctor test test-gpu lint style clean
+.PHONY: help install apex doctor bench test test-gpu lint style clean
 
 help:
 	@echo "make install     install hf_apex (+dev extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
+	@echo "make bench       the stage ladder for BERT and GPT-2: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"
 	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>)"
@@ -29,6 +39,15 @@ install:
 apex: install
 	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) $(if $(APEX_SRC),--src $(APEX_SRC),)
 	$(PYTHON) -m hf_apex doctor --strict
+
+# On a CUDA machine whose apex lacks its kernels, build apex first.
+bench: install
+	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  $(PYTHON) -c "import sys; from hf_apex.import_utils import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
+	  || $(MAKE) apex; fi
+	$(PYTHON) recipes/bench.py --models $(BENCH_MODELS) --stages $(BENCH_STAGES) --out_dir $(BENCH_DIR) \
+	  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS),) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP),) \
+	  $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
 
 doctor:
 	$(PYTHON) -m hf_apex doctor

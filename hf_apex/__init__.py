@@ -28,8 +28,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:
     from .callbacks import StageMetricsCallback
     from .counters import KERNEL_COUNTER
-    from .surgery import RewireReport, rewire, unrewire
     from .stages import STAGES, StageConfig
+    from .surgery import RewireReport, rewire, unrewire
     from .trainer import ApexTrainer
     from .training_args import ApexTrainingArguments
 

@@ -71,6 +71,21 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
     )
 
 
+def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> dict[str, float]:
+    """How closely two same-seed loss curves agree: the largest relative gap between their moving averages
+    (``window`` steps, after the first window) and the relative gap between their last-window means."""
+    n = min(len(a), len(b))
+    if n < window:
+        raise ValueError(f"need at least {window} losses per curve, got {n}")
+
+    def smooth(xs):
+        return [sum(xs[i - window : i]) / window for i in range(window, n + 1)]
+
+    sa, sb = smooth(a[:n]), smooth(b[:n])
+    gaps = [abs(x - y) / abs(y) for x, y in zip(sa, sb)]
+    return {"max_rel_gap_smoothed": max(gaps), "final_rel_gap": gaps[-1], "steps": n, "window": window}
+
+
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -148,9 +163,12 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
             (ax_row[0], [r.step_time_ms_p50 or 0 for r in mine], "step time p50 (ms)"),
             (ax_row[1], [r.peak_memory_allocated_gib or 0 for r in mine], "peak VRAM allocated (GiB)"),
         ):
+            ax.set_title(f"{model}: {label}", fontsize=10)
+            if not any(values):
+                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
+                ax.set_yticks([])
             bars = ax.bar(stages, values, color=["#888888"] + ["#76b900"] * (len(stages) - 1))
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
-            ax.set_title(f"{model}: {label}", fontsize=10)
             ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.suptitle(title.splitlines()[0] if title else "hf_apex stages", fontsize=10)
     fig.tight_layout()

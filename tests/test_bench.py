@@ -1,0 +1,119 @@
+"""make bench's machinery: rows, ratios, table and outputs; and the whole ladder end to end on CPU (tiny)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_apex.bench import add_ratios, format_table, loss_curve_agreement, row_from_metrics
+from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(stage, p50, mem, losses, calls, profiled):
+    return {
+        "stage": stage,
+        "step_time_ms": {"p50": p50, "p20": p50 * 0.9, "p80": p50 * 1.1},
+        "tokens_per_s": 1e5 / p50,
+        "peak_memory_allocated_gib": mem,
+        "peak_memory_reserved_gib": mem,
+        "mfu": 0.3,
+        "loss_history": [{"step": i, "loss": v} for i, v in enumerate(losses)],
+        "kernels": {"calls": calls, "profiled": profiled},
+        "eval": {"eval_accuracy": 0.8},
+        "provenance": {"gpu": "X"},
+    }
+
+
+def test_rows_ratios_and_table():
+    apex_calls = {"optimizer": {"apex": 10, "fallback": 0}}
+    rows = [
+        row_from_metrics("bert", _metrics("baseline", 200.0, 10.0, [2.0] * 5, {}, {"apex": {}})),
+        row_from_metrics(
+            "bert",
+            _metrics("fused_full", 50.0, 5.0, [2.1] * 5, apex_calls, {"apex": {"fused_adam": ["k"]}}),
+            plain={"step_time_ms": {"p50": 40.0}},
+        ),
+        row_from_metrics(
+            "bert", _metrics("fused_adam", 210.0, 10.0, [2.0] * 5, {"optimizer": {"apex": 0, "fallback": 10}}, None)
+        ),
+    ]
+    add_ratios(rows)
+    base, full, fb = rows
+    assert (base.backend, full.backend, fb.backend) == ("torch", "apex", "fallback")
+    assert full.speedup_vs_baseline == pytest.approx(4.0) and full.memory_vs_baseline == pytest.approx(0.5)
+    assert full.loss_delta_vs_baseline == pytest.approx(0.1)
+    assert full.trainer_overhead == pytest.approx(0.25)
+    assert fb.speedup_vs_baseline < 1 and fb.kernels_verified == "not profiled (no CUDA)"
+    table = format_table(rows, "banner")
+    assert "| bert | fused_full | 50.0 (45.0–55.0) | 2,000 | 4.00× |" in table
+    assert "fused_adam (fallback)" in table and base.kernels_verified == "none (torch only)"
+
+
+def test_loss_curve_agreement():
+    a = [3.0 - 0.01 * i for i in range(100)]
+    same = loss_curve_agreement(a, a)
+    assert same["max_rel_gap_smoothed"] == 0 and same["steps"] == 100
+    off = loss_curve_agreement(a, [x * 1.05 for x in a])
+    assert off["final_rel_gap"] == pytest.approx(0.05 / 1.05)
+    with pytest.raises(ValueError):
+        loss_curve_agreement(a[:5], a[:5])
+
+
+def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tokenizer, tmp_path):  # noqa: F811
+    tokenizers = generated_data / "tokenizers"
+    tokenizers.mkdir()
+    for name in ("bert-base-uncased", "gpt2"):
+        (tokenizers / name).symlink_to(word_tokenizer)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "recipes/bench.py",
+            "--tiny",
+            "--data_dir",
+            str(generated_data),
+            "--out_dir",
+            str(tmp_path),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch",
+            "bert=4",
+            "--batch",
+            "gpt2=4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("FALLBACK NUMBERS (no CUDA, no apex kernels)")
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = data["rows"]
+    assert [(r["model"], r["stage"]) for r in rows] == [
+        (m, s) for m in ("bert", "gpt2") for s in ("baseline", "fused_adam", "fused_adam_ln", "fused_full")
+    ]
+    for r in rows:
+        assert r["backend"] == ("torch" if r["stage"] == "baseline" else "fallback")
+        assert r["step_time_ms_p50"] > 0 and r["plain_loop_ms_p50"] > 0 and r["provenance"]["gpu"] is None
+        for key in (
+            "tokens_per_s",
+            "speedup_vs_baseline",
+            "memory_vs_baseline",
+            "mfu",
+            "loss_delta_vs_baseline",
+            "kernels_verified",
+            "peak_memory_allocated_gib",
+        ):
+            assert key in r
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("FALLBACK NUMBERS") and table.count("(fallback)") == 6
+    assert (tmp_path / "results.csv").read_text().count("\n") == 9
+    assert (tmp_path / "results.png").stat().st_size > 10_000
