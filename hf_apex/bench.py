@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import textwrap
 from pathlib import Path
 
 LOSS_TAIL = 5  # losses averaged at the end of a run for the loss comparison
@@ -90,6 +91,12 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def load_rows(path: Path) -> tuple[str, list[BenchRow]]:
+    """The banner and rows of a results.json written by :func:`write_outputs`."""
+    data = json.loads(Path(path).read_text())
+    return data.get("banner", ""), [BenchRow(**r) for r in data["rows"]]
+
+
 def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
     """Fill the columns that compare each row with its model's baseline row, and the Trainer overhead."""
     base = {r.model: r for r in rows if r.stage == "baseline"}
@@ -170,7 +177,7 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
             bars = ax.bar(stages, values, color=["#888888"] + ["#76b900"] * (len(stages) - 1))
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.tick_params(axis="x", labelsize=8, rotation=15)
-    fig.suptitle(title.splitlines()[0] if title else "hf_apex stages", fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)) if title else "hf_apex stages", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -169,9 +169,8 @@ def main(argv=None) -> int:
     else:
         why = "no CUDA" if not cuda else "apex kernels missing"
         banner = f"FALLBACK NUMBERS ({why}, no apex kernels): torch fallbacks stand in for apex; not apex results"
-    banner += (
-        f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {prov['apex'].get('commit', 'n/a')}"
-    )
+    apex_commit = (prov["apex"].get("commit") or "n/a")[:8]
+    banner += f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {apex_commit}"
     print(banner, flush=True)
 
     out_dir = Path(opts.out_dir)
@@ -264,7 +263,7 @@ def plain_loop_worker(out_json: str, argv: list[str]) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
         end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         if cuda:
             end.record()
