@@ -24,7 +24,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 .PHONY: help install apex doctor bench test test-gpu lint style clean
 
 help:
-	@echo "make install     install hf_apex (+dev extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
+	@echo "make install     install hf_apex (+dev and plot extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
 	@echo "make bench       the stage ladder for BERT and GPT-2: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"
@@ -34,7 +34,7 @@ help:
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "torch==$(TORCH_VERSION)"
-	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev])"
+	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev,plot])"
 
 apex: install
 	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) $(if $(APEX_SRC),--src $(APEX_SRC),)

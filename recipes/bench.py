@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     paths = write_outputs(rows, out_dir, banner, config)
     print(format_table(rows, banner))
     print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
+    if "png" not in paths:
+        print("no chart: install matplotlib (pip install 'hf_apex[plot]') for results.png")
     return 0
 
 
