@@ -9,10 +9,11 @@ APEX_SRC ?=
 APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
-# make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults
-# of recipes/bench.py (CUDA: 10 warm-up + 40 timed steps, BERT 128x128, GPT-2 16x1024; CPU: tiny models).
-BENCH_MODELS ?= bert gpt2
-BENCH_STAGES ?= baseline fused_adam fused_adam_ln fused_full
+# make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
+# recipes/bench.py. CUDA: bert gpt2 llama x all seven stages, 10 warm-up + 40 timed steps, BERT 128x128,
+# GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
+BENCH_MODELS ?=
+BENCH_STAGES ?=
 BENCH_STEPS ?=
 BENCH_WARMUP ?=
 BENCH_BATCH ?=
@@ -25,7 +26,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 
 help:
 	@echo "make install     install hf_apex (+dev and plot extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
-	@echo "make bench       the stage ladder for BERT and GPT-2: table, CSV/JSON and chart in $(BENCH_DIR)/"
+	@echo "make bench       the stage ladder for BERT, GPT-2 and Llama: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"
 	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>)"
@@ -45,7 +46,8 @@ bench: install
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  $(PYTHON) -c "import sys; from hf_apex.import_utils import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
 	  || $(MAKE) apex; fi
-	$(PYTHON) recipes/bench.py --models $(BENCH_MODELS) --stages $(BENCH_STAGES) --out_dir $(BENCH_DIR) \
+	$(PYTHON) recipes/bench.py --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS),) \
+	  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES),) \
 	  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS),) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP),) \
 	  $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
 

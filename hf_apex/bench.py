@@ -38,6 +38,15 @@ class BenchRow:
     provenance: dict | None = None
 
 
+def _backend(calls: dict, fallback: bool) -> str:
+    """fallback (torch stood in for a missing apex kernel), apex, apex+torch (autotune mixed), or torch."""
+    if fallback:
+        return "fallback"
+    apex = any(c.get("apex", 0) for c in calls.values())
+    torch_chosen = any(c.get("torch", 0) for c in calls.values())
+    return "apex+torch" if apex and torch_chosen else "apex" if apex else "torch"
+
+
 def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> BenchRow:
     """Build a row from a run's ``hf_apex_metrics.json`` (and the plain-loop reference, if run)."""
     calls = metrics["kernels"]["calls"]
@@ -54,7 +63,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
     return BenchRow(
         model=model,
         stage=metrics["stage"],
-        backend="torch" if not calls else "fallback" if fallback else "apex",
+        backend=_backend(calls, fallback),
         step_time_ms_p50=step.get("p50"),
         step_time_ms_p20=step.get("p20"),
         step_time_ms_p80=step.get("p80"),

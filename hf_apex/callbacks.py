@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from transformers import TrainerCallback
 
+from .autotune import autotune_report
 from .counters import KERNEL_COUNTER
 from .metrics import flops_per_token, lookup_peak_tflops, model_shape, percentiles, provenance, write_metrics_file
 from .profiling import KernelProfile
@@ -206,6 +207,8 @@ class StageMetricsCallback(TrainerCallback):
         for component, c in counts.items():
             logs[f"apex_calls/{component}"] = c["apex"]
             logs[f"fallback_calls/{component}"] = c["fallback"]
+            if "torch" in c:
+                logs[f"torch_calls/{component}"] = c["torch"]
         skipped = sum(s.skipped for s in self.steps)
         if skipped:
             logs["skipped_steps"] = skipped
@@ -240,6 +243,9 @@ class StageMetricsCallback(TrainerCallback):
                 "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                 "tf32": args.tf32,
                 "optimizer": self._optimizer_class,
+                "torch_compile": bool(getattr(args, "torch_compile", False)),
+                # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
+                "first_step_ms": self.steps[0].ms if self.steps else None,
                 "seed": args.seed,
                 "wall_time_s": time.time() - self._start_wall if self._start_wall else None,
             },
@@ -253,6 +259,7 @@ class StageMetricsCallback(TrainerCallback):
             "loss_history": losses,
             "kernels": {"calls": counts, "profiled": self.kernels_verified, **self.extra.get("kernels", {})},
             "rewire": self.extra.get("rewire"),
+            "autotune": autotune_report(),
             "steps_ms": [round(s.ms, 4) for s in self.steps],
             "provenance": provenance(),
         }

@@ -15,6 +15,7 @@ logger = logging.getLogger("hf_apex")
 
 APEX = "apex"
 FALLBACK = "fallback"
+TORCH_CHOSEN = "torch"  # apex could run, but autotune measured torch's op faster
 
 
 class KernelCounter:
@@ -48,7 +49,7 @@ class KernelCounter:
             if n <= 0:
                 continue
             entry = out.setdefault(component, {APEX: 0, FALLBACK: 0, "fallback_reasons": {}})
-            entry[backend] += n
+            entry[backend] = entry.get(backend, 0) + n  # "torch": autotune chose the torch op
             if backend == FALLBACK:
                 entry["fallback_reasons"][reason or "unknown"] = n
         return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .counters import APEX, FALLBACK, KERNEL_COUNTER
+from .counters import APEX, FALLBACK, KERNEL_COUNTER, TORCH_CHOSEN
 from .import_utils import APEX_BUILD_HINT, is_fused_norm_available
 
 _SWAPPED_CLASSES: dict[type, type] = {}
@@ -41,6 +41,7 @@ class _ApexNormMixin:
 
     _component = "norm"
     hf_apex_strict: bool = False
+    hf_apex_autotune: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -49,6 +50,9 @@ class _ApexNormMixin:
             return super().forward(x)
         reason = _fallback_reason(x, self.weight)
         if reason is None:
+            if self.hf_apex_autotune and _autotuned_backend(self, x) == TORCH_CHOSEN:
+                KERNEL_COUNTER.record(self._component, TORCH_CHOSEN, "autotune measured torch faster")
+                return super().forward(x)
             KERNEL_COUNTER.record(self._component, APEX)
             return self._apex_forward(x)
         if self.hf_apex_strict:
@@ -91,6 +95,52 @@ class _ApexRMSNormMixin(_ApexNormMixin):
         return f"{tuple(self.weight.shape)}, eps={rms_norm_eps(self)}, kernel=" + (
             "apex" if is_fused_norm_available() else "torch fallback"
         )
+
+
+# (norm class, hidden, input dtype, autocast dtype, token bucket) -> backend, for this process
+_NORM_CHOICES: dict[tuple, str] = {}
+
+
+def _autotuned_backend(module: nn.Module, x: torch.Tensor) -> str:
+    """apex or torch for this norm type at this hidden size, token count and dtype (timed once, then cached)."""
+    from .autotune import APEX as A
+    from .autotune import TORCH as T
+    from .autotune import get_autotuner, rel_err, tolerance
+
+    amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None
+    tokens = x.numel() // x.shape[-1]
+    bucket = 1 << max(tokens - 1, 0).bit_length()
+    base = (type(module).__name__, x.shape[-1], x.dtype, amp)
+    if base + (bucket,) in _NORM_CHOICES:
+        return _NORM_CHOICES[base + (bucket,)]
+    if not torch.is_grad_enabled():  # evaluation: reuse the training decision for this norm type
+        return next((v for k, v in _NORM_CHOICES.items() if k[:4] == base), APEX)
+
+    params = [p for p in module.parameters()]
+    probe = x.detach().clone().requires_grad_(True)
+    grad_out = torch.randn_like(x, dtype=amp or x.dtype)
+    stock_forward = super(_ApexNormMixin, module).forward
+    forwards = {A: module._apex_forward, T: stock_forward}
+
+    def fwd_bwd(name):
+        y = forwards[name](probe)
+        # autograd.grad returns the gradients without accumulating into .grad: training state is untouched.
+        return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
+
+    def parity(name):
+        (y, grads), (ref_y, ref_grads) = fwd_bwd(name), fwd_bwd(T)
+        tol = tolerance(amp or x.dtype)
+        return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
+
+    decision = get_autotuner().choose(
+        module._component,
+        {"norm": base[0], "hidden": base[1], "tokens": bucket, "dtype": str(x.dtype), "autocast": str(amp)},
+        {name: (lambda name=name: fwd_bwd(name)) for name in forwards},
+        parity,
+    )
+    backend = TORCH_CHOSEN if decision.backend == T else APEX
+    _NORM_CHOICES[base + (bucket,)] = backend
+    return backend
 
 
 def rms_norm_eps(module: nn.Module) -> float:

@@ -13,6 +13,7 @@ records which one ran.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from typing import Any
 
@@ -160,9 +161,57 @@ def apex_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = Non
             )
         return _apex_classes()["fused_lamb"], kwargs
     if blocker is None:
+        if getattr(args, "autotune", False) and model is not None and autotune_adam(model, kwargs) == "torch":
+            return torch.optim.AdamW, {k: kwargs[k] for k in ("lr", "betas", "eps")} | {"fused": True}
         return _apex_classes()["fused_adam"], kwargs
     if getattr(args, "apex_strict_kernels", False):
         raise ApexKernelError(
             f"FusedAdam: strict kernels are on but apex cannot run here ({blocker}). {APEX_BUILD_HINT}"
         )
     return FusedAdamFallback, kwargs
+
+
+AUTOTUNE_PARAM_BYTES = 2 * 2**30  # time the optimizer on at most this many bytes of the model's parameters
+
+
+def autotune_adam(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
+    """ "apex" or "torch": apex FusedAdam against torch AdamW(fused=True) on copies of the model's parameters.
+
+    Only the AdamW hyper-parameters both implement are compared; other apex options keep apex.
+    """
+    from apex.optimizers import FusedAdam  # the raw class: timing steps are not counted as training steps
+
+    from .autotune import APEX, TORCH, get_autotuner, rel_err, tolerance
+
+    if set(kwargs) - {"lr", "betas", "eps", "weight_decay"}:
+        return APEX
+    params, total = [], 0
+    for p in model.parameters():
+        if p.requires_grad and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
+            params.append(p)
+            total += p.numel() * p.element_size()
+    shapes = sorted((tuple(p.shape), str(p.dtype)) for p in params)
+    key = {
+        "tensors": len(params),
+        "numel": sum(p.numel() for p in params),
+        "shapes": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16],
+    }
+    common = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"], "weight_decay": 0.01}
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+
+    def build(name):
+        copies = [p.detach().clone() for p in params]
+        for c, g in zip(copies, grads):
+            c.grad = g
+        opt = FusedAdam(copies, **common) if name == APEX else torch.optim.AdamW(copies, fused=True, **common)
+        return copies, opt
+
+    def parity(name):
+        (mine, opt), (ref, ref_opt) = build(name), build(TORCH)
+        for _ in range(3):
+            opt.step()
+            ref_opt.step()
+        return all(rel_err(a, b) < tolerance(torch.float32) for a, b in zip(mine, ref))
+
+    steppers = {name: build(name)[1].step for name in (APEX, TORCH)}
+    return get_autotuner().choose("optimizer", key, steppers, parity).backend

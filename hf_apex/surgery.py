@@ -121,7 +121,12 @@ def _why_not(module: nn.Module, layer_norm: bool, rms_norm: bool) -> str | None:
 
 
 def rewire(
-    model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, strict_kernels: bool = False
+    model: nn.Module,
+    *,
+    layer_norm: bool = True,
+    rms_norm: bool = True,
+    strict_kernels: bool = False,
+    autotune: bool = False,
 ) -> RewireReport:
     """Swap the norms of ``model`` for apex-backed subclasses, in place.
 
@@ -131,6 +136,8 @@ def rewire(
         rms_norm (`bool`, *optional*, defaults to `True`): swap HF RMSNorms for apex FusedRMSNorm.
         strict_kernels (`bool`, *optional*, defaults to `False`): a swapped module raises instead of falling
             back to the torch op when the apex kernel cannot run.
+        autotune (`bool`, *optional*, defaults to `False`): on its first CUDA call per shape, each norm type times
+            apex against its stock op and keeps the faster (see `hf_apex.autotune`).
 
     Returns:
         `RewireReport`: the swapped and skipped modules. Calling ``rewire`` twice is harmless.
@@ -138,7 +145,7 @@ def rewire(
     report = RewireReport()
     for path, module in model.named_modules():
         if is_swapped(module):
-            module.hf_apex_strict = strict_kernels
+            module.hf_apex_strict, module.hf_apex_autotune = strict_kernels, autotune
             report.swapped[path] = f"{stock_class(module).__name__} -> {type(module).__name__}"
             continue
         if not (isinstance(module, nn.LayerNorm) or _is_norm_like(module)):
@@ -149,7 +156,7 @@ def rewire(
             continue
         old = type(module).__name__
         module.__class__ = swapped_class(type(module))
-        module.hf_apex_strict = strict_kernels
+        module.hf_apex_strict, module.hf_apex_autotune = strict_kernels, autotune
         report.swapped[path] = f"{old} -> {type(module).__name__}"
     logger.info("%s", report)
     return report
@@ -163,5 +170,6 @@ def unrewire(model: nn.Module) -> int:
         if cls is not None:
             module.__class__ = cls
             module.__dict__.pop("hf_apex_strict", None)
+            module.__dict__.pop("hf_apex_autotune", None)
             restored += 1
     return restored

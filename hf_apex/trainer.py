@@ -19,6 +19,7 @@ import os
 from torch import nn
 from transformers import Trainer
 
+from .autotune import configure_autotuner
 from .callbacks import StageMetricsCallback
 from .import_utils import APEX_BUILD_HINT, is_fused_adam_available, is_fused_norm_available
 from .optim import apex_optimizer_cls_and_kwargs
@@ -68,6 +69,8 @@ class ApexTrainer(Trainer):
         if not isinstance(self.args, ApexTrainingArguments):
             return
         validate_apex_args(self.args)
+        if self.args.autotune:
+            configure_autotuner(self.args.autotune_cache)
         if self.model_init is None and self.rewire_report is None:
             self.rewire_report = self.rewire_model(self.model)
         if self.args.apex_fused_norms and self.args.torch_compile:
@@ -92,7 +95,7 @@ class ApexTrainer(Trainer):
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
         if not self.args.apex_fused_norms:
             return None
-        report = rewire(model, strict_kernels=self.args.apex_strict_kernels)
+        report = rewire(model, strict_kernels=self.args.apex_strict_kernels, autotune=self.args.autotune)
         if report.num_swapped == 0:
             logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
         return report

@@ -23,9 +23,10 @@ class ApexTrainingArguments(TrainingArguments):
         > Parameters that choose a stage of the ladder
 
         stage (`str` or `None`, *optional*, defaults to `None`):
-            One of `hf_apex.STAGES` (`baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`). A stage sets
-            `optim`, `apex_optimizer`, `apex_fused_norms`, `tf32` and the AMP flags; setting any of them to
-            something the stage contradicts raises `ValueError`. `None` leaves every switch to you.
+            One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
+            `torch_fused`, `compiled` and `auto`. A stage sets `optim`, `apex_optimizer`, `apex_fused_norms`,
+            `autotune`, `torch_compile`, `tf32` and the AMP flags; setting any of them to something the stage
+            contradicts raises `ValueError`. `None` leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -39,6 +40,13 @@ class ApexTrainingArguments(TrainingArguments):
             Swap `nn.LayerNorm` and the HF RMSNorms for apex FusedLayerNorm / FusedRMSNorm.
         apex_strict_kernels (`bool`, *optional*, defaults to `False`):
             Raise instead of falling back to the torch op when an apex kernel is missing or cannot run.
+        autotune (`bool`, *optional*, defaults to `False`):
+            For each apex component switched on, time apex against torch on this GPU (optimizer over the real
+            parameter shapes; each norm type at its hidden size, token count and dtype), within a few seconds,
+            and use the faster; a backend that fails the parity check is never chosen. Decisions are cached in
+            `autotune_cache` and written to the logs and the metrics JSON.
+        autotune_cache (`str` or `None`, *optional*, defaults to `None`):
+            Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.
 
         > Parameters that control the stage metrics
 
@@ -53,8 +61,8 @@ class ApexTrainingArguments(TrainingArguments):
             On CUDA, profile one warm-up step with `torch.profiler` and record which apex kernels executed.
 
     > [!NOTE]
-    > A stage pins `optim="adamw_torch"` (foreach) and `tf32=False`; without a stage the `TrainingArguments`
-    > defaults apply unchanged.
+    > A stage pins `optim` (`"adamw_torch"`, foreach, unless the stage uses torch's fused AdamW) and `tf32=False`;
+    > without a stage the `TrainingArguments` defaults apply unchanged.
     """
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["apex_optimizer_kwargs"]
@@ -85,6 +93,14 @@ class ApexTrainingArguments(TrainingArguments):
     )
     apex_strict_kernels: bool = field(
         default=False, metadata={"help": "Raise instead of falling back to torch ops when an apex kernel cannot run."}
+    )
+    autotune: bool = field(
+        default=False,
+        metadata={"help": "Time apex against torch per component on this GPU and use the faster (cached on disk)."},
+    )
+    autotune_cache: str | None = field(
+        default=None,
+        metadata={"help": "Autotune decision cache (default $HF_APEX_CACHE or ~/.cache/hf_apex/autotune.json)."},
     )
     stage_metrics: bool = field(
         default=True, metadata={"help": "Record per-step stage metrics and write <output_dir>/hf_apex_metrics.json."}
@@ -121,12 +137,17 @@ class ApexTrainingArguments(TrainingArguments):
 
         if self.amp_dtype not in ("bf16", "fp16"):
             raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
+        stage_optim = stage.optimizer if stage.optimizer.startswith("adamw_torch") else "adamw_torch"
         optim = getattr(self.optim, "value", self.optim)
-        if optim not in (_DEFAULT_OPTIM, "adamw_torch"):
+        if optim not in (_DEFAULT_OPTIM, stage_optim):
             raise conflict(f"optim={optim!r}")
+        if self.torch_compile and not stage.compile:
+            raise conflict("torch_compile=True")
+        if self.autotune and not stage.autotune:
+            raise conflict("autotune=True")
         if self.tf32:
             raise conflict("tf32=True (stages keep FP32 matmuls strict)")
-        want_apex_opt = "none" if stage.optimizer == "adamw_torch" else stage.optimizer
+        want_apex_opt = stage.optimizer if stage.optimizer == "fused_adam" else "none"
         if self.apex_optimizer not in ("none", want_apex_opt):
             raise conflict(f"apex_optimizer={self.apex_optimizer!r}")
         if self.apex_fused_norms and not stage.fused_norms:
@@ -141,9 +162,11 @@ class ApexTrainingArguments(TrainingArguments):
             if self.fp16:
                 self.amp_dtype = "fp16"
 
-        self.optim = "adamw_torch"
+        self.optim = stage_optim
         self.apex_optimizer = want_apex_opt
         self.apex_fused_norms = stage.fused_norms
+        self.autotune = stage.autotune
+        self.torch_compile = stage.compile
         self.tf32 = False
         if stage.precision == "amp":
             self.bf16 = self.amp_dtype == "bf16"

@@ -1,17 +1,18 @@
 """The seed's incremental stage benchmark: each stage in a fresh process, through recipes/finetune.py.
 
     make bench                                   # what this runs, with the defaults below
-    python recipes/bench.py --models bert gpt2 --stages baseline fused_adam fused_adam_ln fused_full
+    python recipes/bench.py --models bert gpt2 llama --stages baseline fused_adam fused_adam_ln fused_full
 
 For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path users take) for
 `--warmup + --steps` optimizer steps with a fixed seed, and, unless `--no_plain_loop`, the same model, data,
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
 
-Defaults saturate a large GPU: BERT-base on SST-2 at 128 sequences x 128 tokens (padded) and GPT-2 124M on
-WikiText-2 at 16 x 1024. Smaller batches (BERT 32 x 128 on an H200) are limited by kernel-launch overhead
-and hide the differences. Without CUDA the benchmark shrinks to tiny models and says, in the banner and on
-every row, that its numbers are torch fallbacks, not apex kernels.
+Defaults saturate a large GPU: BERT-base on SST-2 at 128 sequences x 128 tokens (padded), GPT-2 124M and a
+~134M Llama-architecture model (RMSNorm; GPT-2 tokenizer) on WikiText-2 at 16 x 1024. Smaller batches (BERT
+32 x 128 on an H200) are limited by kernel-launch overhead and hide the differences. Stages default to the
+seed's ladder, then torch_fused, compiled and auto. Without CUDA the benchmark shrinks to tiny models and says,
+in the banner and on every row, that its numbers are torch fallbacks, not apex kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hf_apex import STAGES
 from hf_apex.bench import add_ratios, format_table, row_from_metrics, write_outputs
 from hf_apex.import_utils import is_fused_adam_available, is_fused_norm_available
 from hf_apex.metrics import METRICS_FILENAME, percentiles, provenance
+from hf_apex.stages import SEED_STAGES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -55,6 +57,17 @@ MODELS = {
         batch=16,
         eval_samples=64,
     ),
+    # A ~134M Llama-architecture model (RMSNorm, GPT-2 tokenizer): what apex FusedRMSNorm does.
+    "llama": dict(
+        task="wikitext2",
+        model_type="llama",
+        tokenizer="gpt2",
+        shape=["--block_size", "1024"],
+        batch=16,
+        eval_samples=64,
+        overrides="hidden_size=768,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=12,"
+        "intermediate_size=2048,max_position_embeddings=1024,vocab_size=50257,tie_word_embeddings=True",
+    ),
 }
 # Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
 TINY = {
@@ -65,13 +78,25 @@ TINY = {
         eval_samples=32,
     ),
     "gpt2": dict(overrides="n_layer=2,n_embd=64,n_head=2", shape=["--block_size", "64"], batch=8, eval_samples=8),
+    "llama": dict(
+        overrides="hidden_size=64,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2,"
+        "intermediate_size=128,max_position_embeddings=128",
+        shape=["--block_size", "64"],
+        batch=8,
+        eval_samples=8,
+    ),
 }
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Run the hf_apex stage ladder and print the table.")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--stages", nargs="+", default=list(STAGES)[:4], choices=list(STAGES))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all on CUDA, bert gpt2 on CPU")
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        choices=list(STAGES),
+        help="default on CUDA: the seed's ladder, then torch_fused, compiled and auto; on CPU: the seed's ladder",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 40 on CUDA, 6 on CPU)")
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed warm-up steps (default 10 on CUDA, 2 on CPU)"
@@ -138,8 +163,9 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
         "--dataloader_num_workers",
         "2",
     ]
-    if opts.tiny:
-        args += ["--config_overrides", tiny["overrides"]]
+    overrides = tiny["overrides"] if opts.tiny else spec.get("overrides")
+    if overrides:
+        args += ["--config_overrides", overrides]
     if not torch.cuda.is_available():
         args += ["--use_cpu"]
     return args
@@ -160,6 +186,8 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     cuda = torch.cuda.is_available()
     opts.tiny = opts.tiny or not cuda
+    opts.models = opts.models or (list(MODELS) if cuda else ["bert", "gpt2"])
+    opts.stages = opts.stages or (list(STAGES) if cuda else list(SEED_STAGES))
     opts.steps = opts.steps or (40 if cuda else 6)
     opts.warmup = opts.warmup if opts.warmup is not None else (10 if cuda else 2)
     kernels = cuda and is_fused_adam_available() and is_fused_norm_available()
@@ -227,7 +255,7 @@ def plain_loop_worker(out_json: str, argv: list[str]) -> None:
     prepare = ft.prepare_sst2 if script_args.task == "sst2" else ft.prepare_wikitext2
     train_ds, _, collator, _ = prepare(script_args, ft.load_raw_data(script_args), tokenizer, model, args)
     if args.apex_fused_norms:
-        rewire(model)
+        rewire(model, autotune=args.autotune)
     device = args.device
     model.to(device).train()
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -237,6 +265,8 @@ def plain_loop_worker(out_json: str, argv: list[str]) -> None:
     ]
     opt_cls, kwargs = ApexTrainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = opt_cls(groups, **kwargs)
+    if args.torch_compile:  # as the Trainer does (through accelerate): compile the model, not the optimizer
+        model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
     loader = torch.utils.data.DataLoader(
         train_ds,
         batch_size=args.per_device_train_batch_size,

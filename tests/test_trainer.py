@@ -205,3 +205,38 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(stage, tmp_path):
         assert [g["step"] for g in again.optimizer.optimizer.param_groups] == [6, 6]
     for p, q in zip(straight.model.parameters(), again.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_fused_stage_uses_torch_fused_adamw(tmp_path):
+    trainer = ApexTrainer(
+        model=tiny_model("gpt2").train(), args=train_args(tmp_path, stage="torch_fused"), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert metrics["run"]["precision"] == "bf16" and metrics["kernels"]["calls"] == {}
+
+
+def test_compiled_stage_trains_and_reports_the_first_step(tmp_path):
+    # The eager backend traces with Dynamo without generating code, which keeps this CPU test fast.
+    args = train_args(tmp_path, stage="compiled", torch_compile_backend="eager")
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert metrics["run"]["torch_compile"] is True and metrics["run"]["first_step_ms"] > 0
+    assert metrics["rewire"] is None  # native norms under compile
+    assert len(metrics["loss_history"]) == 6
+
+
+def test_auto_stage_without_kernels_states_every_fallback(tmp_path):
+    trainer = ApexTrainer(
+        model=tiny_model("llama").train(), args=train_args(tmp_path, stage="auto"), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    calls = metrics["kernels"]["calls"]
+    assert calls["rms_norm"]["fallback"] > 0 and calls["optimizer"]["fallback"] == 6
+    assert metrics["autotune"] == []  # nothing to time: apex cannot run on CPU
+    swapped = [m for m in trainer.model.modules() if is_swapped(m)]
+    assert len(swapped) == 5 and all(m.hf_apex_autotune for m in swapped)

@@ -31,6 +31,20 @@ def test_stage_sets_its_switches(stage, apex_optimizer, fused_norms, bf16):
     assert args.mixed_precision == ("bf16" if bf16 else "no")
 
 
+@pytest.mark.parametrize(
+    "stage, optim, apex_optimizer, fused_norms, compile_, autotune",
+    [
+        ("torch_fused", "adamw_torch_fused", "none", False, False, False),
+        ("compiled", "adamw_torch_fused", "none", False, True, False),
+        ("auto", "adamw_torch", "fused_adam", True, False, True),
+    ],
+)
+def test_beyond_seed_stages(stage, optim, apex_optimizer, fused_norms, compile_, autotune):
+    args = make(stage=stage)
+    assert (args.optim, args.apex_optimizer, args.apex_fused_norms) == (optim, apex_optimizer, fused_norms)
+    assert (args.torch_compile, args.autotune, args.bf16, args.tf32) == (compile_, autotune, True, False)
+
+
 def test_fused_full_with_fp16():
     args = make(stage="fused_full", amp_dtype="fp16")
     assert args.fp16 and not args.bf16
@@ -50,6 +64,9 @@ def test_fused_full_with_fp16():
         (dict(stage="fused_full", bf16=True, amp_dtype="fp16"), "amp_dtype"),
         (dict(stage="fused_full", bf16=True, fp16=True), "fp16"),
         (dict(stage="warp_speed"), "Unknown stage"),
+        (dict(stage="fused_full", torch_compile=True), "torch_compile"),
+        (dict(stage="fused_full", autotune=True), "autotune"),
+        (dict(stage="torch_fused", optim="adamw_torch"), "optim"),
         (dict(apex_optimizer="adamax"), "apex_optimizer"),
         (dict(metrics_warmup_steps=-1), "metrics_warmup_steps"),
     ],
