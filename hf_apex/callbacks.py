@@ -16,6 +16,7 @@ import time
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .autotune import autotune_report
@@ -144,8 +145,9 @@ class StageMetricsCallback(TrainerCallback):
             self._hook.remove()
             self._hook = None
         self._resolve()
+        summary = self.summary(args, state)  # a collective under DDP: every rank takes part
         if state.is_world_process_zero:
-            path = write_metrics_file(args.output_dir, self.summary(args, state))
+            path = write_metrics_file(args.output_dir, summary)
             logger.info("hf_apex: stage metrics written to %s", path)
 
     # -- reporting ---------------------------------------------------------------------------------------
@@ -166,6 +168,33 @@ class StageMetricsCallback(TrainerCallback):
         self._window.extend(self._pending)
         self._pending = []
 
+    @staticmethod
+    def _across_ranks(steps: list[_Step]) -> list[_Step]:
+        """Under torch.distributed, one row per step for the whole job: the slowest rank's time, the sum of
+        tokens, positions and samples. (A collective: every rank must call it at the same point.)"""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return steps
+        mine = [(s.step, s.ms, int(s.tokens), s.positions, s.samples, s.seq_len, s.skipped) for s in steps]
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        merged = []
+        for rows in zip(*gathered):
+            step, *_ = rows[0]
+            merged.append(
+                _Step(
+                    step,
+                    None,
+                    None,
+                    sum(r[2] for r in rows),
+                    sum(r[3] for r in rows),
+                    sum(r[4] for r in rows),
+                    max(r[5] for r in rows),
+                    any(r[6] for r in rows),
+                    max(r[1] for r in rows),
+                )
+            )
+        return merged
+
     def _rates(self, steps: list[_Step]) -> dict:
         secs = sum(s.ms for s in steps) / 1e3
         tokens = sum(s.tokens for s in steps)
@@ -178,7 +207,8 @@ class StageMetricsCallback(TrainerCallback):
         seq_len = max((s.seq_len for s in steps), default=0)
         fpt = flops_per_token(self._shape, seq_len) if self._shape else None
         peak = self.resolved_peak_tflops()
-        out["mfu"] = fpt * positions / secs / (peak * 1e12) if fpt and peak and secs else None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        out["mfu"] = fpt * positions / secs / (peak * 1e12 * world) if fpt and peak and secs else None
         return out
 
     def resolved_peak_tflops(self) -> float | None:
@@ -194,10 +224,19 @@ class StageMetricsCallback(TrainerCallback):
             "peak_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         }
 
+    def _memory_across_ranks(self) -> dict:
+        """Peak memory of the busiest rank (a collective under torch.distributed)."""
+        mem = self._memory()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mem)
+            mem = {k: max((g[k] for g in gathered if g[k] is not None), default=None) for k in mem}
+        return mem
+
     def pop_log_metrics(self) -> dict[str, float]:
         """Figures for the steps since the last call, as plain floats for ``Trainer.log``."""
         self._resolve()
-        steps, self._window = self._window, []
+        steps, self._window = self._across_ranks(self._window), []
         if not steps:
             return {}
         logs = {"step_time_ms": sum(s.ms for s in steps) / len(steps)}
@@ -217,10 +256,11 @@ class StageMetricsCallback(TrainerCallback):
     def summary(self, args, state) -> dict:
         """The run summary written to the metrics JSON."""
         self._resolve()
-        timed = [s for s in self.steps if s.step > self.warmup_steps and s.step != self._profiled_step()]
-        if not timed and self.steps:
-            logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(self.steps))
-            timed = self.steps
+        steps = self._across_ranks(self.steps)
+        timed = [s for s in steps if s.step > self.warmup_steps and s.step != self._profiled_step()]
+        if not timed and steps:
+            logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(steps))
+            timed = steps
         world = max(getattr(args, "world_size", 1), 1)
         counts = KERNEL_COUNTER.since(self._counts_at_start)
         losses = [{"step": h["step"], "loss": h["loss"]} for h in state.log_history if "loss" in h]
@@ -236,8 +276,8 @@ class StageMetricsCallback(TrainerCallback):
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "world_size": world,
-                "seq_len": max((s.seq_len for s in self.steps), default=None),
-                "steps": len(self.steps),
+                "seq_len": max((s.seq_len for s in steps), default=None),
+                "steps": len(steps),
                 "timed_steps": len(timed),
                 "warmup_steps": self.warmup_steps,
                 "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
@@ -245,7 +285,7 @@ class StageMetricsCallback(TrainerCallback):
                 "optimizer": self._optimizer_class,
                 "torch_compile": bool(getattr(args, "torch_compile", False)),
                 # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
-                "first_step_ms": self.steps[0].ms if self.steps else None,
+                "first_step_ms": steps[0].ms if steps else None,
                 "seed": args.seed,
                 "wall_time_s": time.time() - self._start_wall if self._start_wall else None,
             },
@@ -253,14 +293,14 @@ class StageMetricsCallback(TrainerCallback):
             **self._rates(timed),
             "peak_tflops": peak,
             "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N without position embeddings; padding counted",
-            **self._memory(),
-            "skipped_steps": sum(s.skipped for s in self.steps),
+            **self._memory_across_ranks(),
+            "skipped_steps": sum(s.skipped for s in steps),
             "loss": {"first": losses[0]["loss"] if losses else None, "last": losses[-1]["loss"] if losses else None},
             "loss_history": losses,
             "kernels": {"calls": counts, "profiled": self.kernels_verified, **self.extra.get("kernels", {})},
             "rewire": self.extra.get("rewire"),
             "autotune": autotune_report(),
-            "steps_ms": [round(s.ms, 4) for s in self.steps],
+            "steps_ms": [round(s.ms, 4) for s in steps],
             "provenance": provenance(),
         }
 

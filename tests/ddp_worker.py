@@ -1,0 +1,48 @@
+"""Run by tests/test_ddp.py under torchrun (or alone): train a tiny GPT-2 a few steps, dump the final parameters.
+
+torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR STAGE PER_DEVICE_BATCH
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_apex import ApexTrainer, ApexTrainingArguments  # noqa: E402
+from tests.testing_utils import TokenDataset, tiny_model  # noqa: E402
+
+
+def main(out_dir: str, stage: str, batch: int) -> None:
+    args = ApexTrainingArguments(
+        output_dir=out_dir,
+        stage=stage,
+        use_cpu=True,
+        report_to="none",
+        max_steps=5,
+        per_device_train_batch_size=batch,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        metrics_warmup_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+    model = tiny_model("gpt2").train()
+    model.config.dropout = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(n=64))
+    trainer.train()
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    torch.save(state, Path(out_dir) / f"params-rank{args.process_index}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
