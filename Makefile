@@ -14,6 +14,8 @@ PYTEST_ARGS ?=
 # GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
 BENCH_STAGES ?=
+# BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun); same per-device batch, twice the global batch
+BENCH_NPROC ?=
 BENCH_STEPS ?=
 BENCH_WARMUP ?=
 BENCH_BATCH ?=
@@ -47,7 +49,7 @@ bench: install
 	  $(PYTHON) -c "import sys; from hf_apex.import_utils import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
 	  || $(MAKE) apex; fi
 	$(PYTHON) recipes/bench.py --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS),) \
-	  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES),) \
+	  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES),) $(if $(BENCH_NPROC),--nproc $(BENCH_NPROC),) \
 	  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS),) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP),) \
 	  $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
 

@@ -35,6 +35,7 @@ class BenchRow:
     memory_vs_baseline: float | None = None
     loss_delta_vs_baseline: float | None = None
     trainer_overhead: float | None = None  # Trainer p50 / plain-loop p50 - 1
+    world_size: int = 1  # processes (GPUs) in the run; tokens/s is their sum, step time the slowest
     provenance: dict | None = None
 
 
@@ -77,6 +78,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         plain_loop_peak_memory_gib=(plain or {}).get("peak_memory_allocated_gib"),
         eval_metric=eval_key,
         eval_value=eval_metrics.get(eval_key) if eval_key else None,
+        world_size=metrics.get("run", {}).get("world_size", 1),
         provenance=metrics.get("provenance"),
     )
 

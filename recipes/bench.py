@@ -110,6 +110,13 @@ def parse_args(argv=None):
     parser.add_argument("--out_dir", default=".bench")
     parser.add_argument("--tiny", action="store_true", help="tiny models (the default without CUDA)")
     parser.add_argument("--no_plain_loop", action="store_true", help="skip the plain-loop reference runs")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes (GPUs) per run, launched with torchrun (DDP); the per-device batch stays as set, "
+        "so the global batch grows with --nproc; plain-loop references run only with 1 process",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -167,7 +174,7 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
     if overrides:
         args += ["--config_overrides", overrides]
     if not torch.cuda.is_available():
-        args += ["--use_cpu"]
+        args += ["--use_cpu"] + (["--ddp_backend", "gloo"] if opts.nproc > 1 else [])
     return args
 
 
@@ -199,6 +206,8 @@ def main(argv=None) -> int:
         banner = f"FALLBACK NUMBERS ({why}, no apex kernels): torch fallbacks stand in for apex; not apex results"
     apex_commit = (prov["apex"].get("commit") or "n/a")[:8]
     banner += f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {apex_commit}"
+    if opts.nproc > 1:
+        banner += f" | {opts.nproc} processes per run (DDP)"
     print(banner, flush=True)
 
     out_dir = Path(opts.out_dir)
@@ -206,13 +215,16 @@ def main(argv=None) -> int:
     for name, stage in itertools.product(opts.models, opts.stages):
         run_dir = out_dir / "runs" / f"{name}-{stage}"
         t0 = time.time()
+        launcher = [sys.executable]
+        if opts.nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
         run(
-            [sys.executable, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)],
+            [*launcher, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)],
             out_dir / f"{name}-{stage}.log",
         )
         metrics = json.loads((run_dir / METRICS_FILENAME).read_text())
         plain = None
-        if not opts.no_plain_loop:
+        if not opts.no_plain_loop and opts.nproc == 1:
             plain_json = out_dir / "runs" / f"{name}-{stage}-plain.json"
             cmd = [
                 sys.executable,

@@ -104,6 +104,7 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
     for r in rows:
         assert r["backend"] == ("torch" if r["stage"] == "baseline" else "fallback")
         assert r["step_time_ms_p50"] > 0 and r["plain_loop_ms_p50"] > 0 and r["provenance"]["gpu"] is None
+        assert r["world_size"] == 1
         for key in (
             "tokens_per_s",
             "speedup_vs_baseline",
@@ -121,3 +122,45 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
         assert (tmp_path / "results.png").stat().st_size > 10_000
     else:
         assert "no chart" in out.stdout
+
+
+def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_path):  # noqa: F811
+    tokenizers = generated_data / "tokenizers"
+    tokenizers.mkdir()
+    (tokenizers / "gpt2").symlink_to(word_tokenizer)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "recipes/bench.py",
+            "--tiny",
+            "--data_dir",
+            str(generated_data),
+            "--out_dir",
+            str(tmp_path),
+            "--models",
+            "gpt2",
+            "--stages",
+            "baseline",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--nproc",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(REPO),
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["world_size"] == 2 and row["plain_loop_ms_p50"] is None
+    assert "2 processes per run (DDP)" in out.stdout
