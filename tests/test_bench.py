@@ -15,6 +15,26 @@ from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fix
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_bench(data_dir, tokenizer, out_dir, flags: str) -> subprocess.CompletedProcess:
+    """recipes/bench.py on CPU (CUDA hidden) over generated data, the word tokenizer standing in for both."""
+    tokenizers = data_dir / "tokenizers"
+    tokenizers.mkdir(exist_ok=True)
+    for name in ("bert-base-uncased", "gpt2"):
+        if not (tokenizers / name).exists():
+            (tokenizers / name).symlink_to(tokenizer)
+    cmd = [sys.executable, "recipes/bench.py", "--tiny", "--data_dir", str(data_dir), "--out_dir", str(out_dir)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run([*cmd, *flags.split()], cwd=REPO, capture_output=True, text=True, timeout=1800, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 def _metrics(stage, p50, mem, losses, calls, profiled):
     return {
         "stage": stage,
@@ -66,35 +86,7 @@ def test_loss_curve_agreement():
 
 
 def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tokenizer, tmp_path):  # noqa: F811
-    tokenizers = generated_data / "tokenizers"
-    tokenizers.mkdir()
-    for name in ("bert-base-uncased", "gpt2"):
-        (tokenizers / name).symlink_to(word_tokenizer)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "recipes/bench.py",
-            "--tiny",
-            "--data_dir",
-            str(generated_data),
-            "--out_dir",
-            str(tmp_path),
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--batch",
-            "bert=4",
-            "--batch",
-            "gpt2=4",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_bench(generated_data, word_tokenizer, tmp_path, "--steps 2 --warmup 1 --batch bert=4 --batch gpt2=4")
     assert out.stdout.startswith("FALLBACK NUMBERS (no CUDA, no apex kernels)")
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
@@ -125,42 +117,8 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
 
 
 def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_path):  # noqa: F811
-    tokenizers = generated_data / "tokenizers"
-    tokenizers.mkdir()
-    (tokenizers / "gpt2").symlink_to(word_tokenizer)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "recipes/bench.py",
-            "--tiny",
-            "--data_dir",
-            str(generated_data),
-            "--out_dir",
-            str(tmp_path),
-            "--models",
-            "gpt2",
-            "--stages",
-            "baseline",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--nproc",
-            "2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": str(REPO),
-            "CUDA_VISIBLE_DEVICES": "",
-            "OMP_NUM_THREADS": "1",
-        },
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    flags = "--models gpt2 --stages baseline --steps 2 --warmup 1 --nproc 2"
+    out = run_bench(generated_data, word_tokenizer, tmp_path, flags)
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["world_size"] == 2 and row["plain_loop_ms_p50"] is None
     assert "2 processes per run (DDP)" in out.stdout

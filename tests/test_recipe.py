@@ -30,25 +30,27 @@ def load_recipe():
 finetune = load_recipe()
 
 
-def common(out, *extra):
+COMMON = "--use_cpu --report_to none --disable_tqdm true --per_device_train_batch_size 4 --logging_steps 1 "
+COMMON += "--save_strategy no --metrics_warmup_steps 1 --seed 0"
+MODEL = {
+    "sst2": ["--model_type", "bert", "--config_overrides", TINY_BERT],
+    "wikitext2": ["--model_type", "gpt2", "--config_overrides", TINY_GPT2],
+}
+
+
+def recipe_args(task, data_dir, tokenizer, out, *extra) -> list[str]:
+    """Flags for a tiny from-scratch run of ``task`` on ``data_dir``, writing to ``out``."""
     return [
+        "--task",
+        task,
+        "--data_dir",
+        str(data_dir),
+        "--tokenizer_name",
+        str(tokenizer),
+        *MODEL[task],
         "--output_dir",
         str(out),
-        "--use_cpu",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-        "--per_device_train_batch_size",
-        "4",
-        "--logging_steps",
-        "1",
-        "--save_strategy",
-        "no",
-        "--metrics_warmup_steps",
-        "1",
-        "--seed",
-        "0",
+        *COMMON.split(),
         *extra,
     ]
 
@@ -105,26 +107,8 @@ def metrics_of(out):
 
 @require_shared_data
 def test_sst2_on_real_data(real_slices, tmp_path):
-    tok = str(SHARED_DATA / "tokenizers" / "bert-base-uncased")
-    finetune.main(
-        [
-            "--task",
-            "sst2",
-            "--data_dir",
-            str(real_slices),
-            "--model_type",
-            "bert",
-            "--tokenizer_name",
-            tok,
-            "--config_overrides",
-            TINY_BERT,
-            "--stage",
-            "baseline",
-            "--max_steps",
-            "4",
-            *common(tmp_path / "out"),
-        ]
-    )
+    tok = SHARED_DATA / "tokenizers" / "bert-base-uncased"
+    finetune.main(recipe_args("sst2", real_slices, tok, tmp_path / "out", "--stage", "baseline", "--max_steps", "4"))
     m = metrics_of(tmp_path / "out")
     assert m["task"] == "sst2" and m["stage"] == "baseline"
     assert m["data"] == {"train_examples": 256, "eval_examples": 64, "source": str(real_slices)}
@@ -134,61 +118,20 @@ def test_sst2_on_real_data(real_slices, tmp_path):
 
 @require_shared_data
 def test_wikitext2_on_real_data(real_slices, tmp_path):
-    tok = str(SHARED_DATA / "tokenizers" / "gpt2")
-    finetune.main(
-        [
-            "--task",
-            "wikitext2",
-            "--data_dir",
-            str(real_slices),
-            "--model_type",
-            "gpt2",
-            "--tokenizer_name",
-            tok,
-            "--config_overrides",
-            TINY_GPT2,
-            "--block_size",
-            "64",
-            "--stage",
-            "fused_full",
-            "--max_steps",
-            "3",
-            *common(tmp_path / "out"),
-        ]
-    )
+    tok = SHARED_DATA / "tokenizers" / "gpt2"
+    extra = ["--block_size", "64", "--stage", "fused_full", "--max_steps", "3"]
+    finetune.main(recipe_args("wikitext2", real_slices, tok, tmp_path / "out", *extra))
     m = metrics_of(tmp_path / "out")
     assert m["run"]["seq_len"] == 64 and m["run"]["precision"] == "bf16"
     assert m["eval"]["eval_perplexity"] == pytest.approx(2.718281828 ** m["eval"]["eval_loss"], rel=1e-6)
     assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0  # CPU: the fallback is stated
 
 
-@pytest.mark.parametrize(
-    "task, model_type, overrides", [("sst2", "bert", TINY_BERT), ("wikitext2", "gpt2", TINY_GPT2)]
-)
-def test_generated_data(task, model_type, overrides, generated_data, word_tokenizer, tmp_path):
-    extra = ["--block_size", "32"] if task == "wikitext2" else ["--pad_to_max_length", "--max_seq_length", "16"]
-    finetune.main(
-        [
-            "--task",
-            task,
-            "--data_dir",
-            str(generated_data),
-            "--model_type",
-            model_type,
-            "--tokenizer_name",
-            word_tokenizer,
-            "--config_overrides",
-            overrides,
-            "--stage",
-            "fused_adam_ln",
-            "--max_steps",
-            "3",
-            "--max_eval_samples",
-            "8",
-            *extra,
-            *common(tmp_path / "out"),
-        ]
-    )
+@pytest.mark.parametrize("task", ["sst2", "wikitext2"])
+def test_generated_data(task, generated_data, word_tokenizer, tmp_path):
+    shape = ["--block_size", "32"] if task == "wikitext2" else ["--pad_to_max_length", "--max_seq_length", "16"]
+    extra = ["--stage", "fused_adam_ln", "--max_steps", "3", "--max_eval_samples", "8", *shape]
+    finetune.main(recipe_args(task, generated_data, word_tokenizer, tmp_path / "out", *extra))
     m = metrics_of(tmp_path / "out")
     assert m["data"]["eval_examples"] == 8 and m["rewire"]["num_swapped"] > 0
     assert m["run"]["seq_len"] == (32 if task == "wikitext2" else 16)
@@ -197,28 +140,9 @@ def test_generated_data(task, model_type, overrides, generated_data, word_tokeni
 @pytest.mark.parametrize("stage", ["baseline", "fused_adam"])
 def test_resume_continues_the_same_loss_trajectory(stage, generated_data, word_tokenizer, tmp_path):
     def run(out, *extra):
-        finetune.main(
-            [
-                "--task",
-                "sst2",
-                "--data_dir",
-                str(generated_data),
-                "--model_type",
-                "bert",
-                "--tokenizer_name",
-                word_tokenizer,
-                "--config_overrides",
-                TINY_BERT,
-                "--stage",
-                stage,
-                "--max_steps",
-                "6",
-                "--learning_rate",
-                "1e-3",
-                *common(out, "--save_strategy", "steps", "--save_steps", "3"),
-                *extra,
-            ]
-        )
+        flags = f"--stage {stage} --max_steps 6 --learning_rate 1e-3 --save_strategy steps --save_steps 3".split()
+        flags += extra
+        finetune.main(recipe_args("sst2", generated_data, word_tokenizer, out, *flags))
         state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
         return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
 
@@ -295,21 +219,7 @@ def _break(data, kind):
 def test_bad_sst2_input_names_the_file(kind, says, generated_data, word_tokenizer, tmp_path):
     path = _break(generated_data, kind)
     with pytest.raises(ValueError, match=re.escape(says)) as err:
-        finetune.main(
-            [
-                "--task",
-                "sst2",
-                "--data_dir",
-                str(generated_data),
-                "--model_type",
-                "bert",
-                "--tokenizer_name",
-                word_tokenizer,
-                "--config_overrides",
-                TINY_BERT,
-                *common(tmp_path / "out"),
-            ]
-        )
+        finetune.main(recipe_args("sst2", generated_data, word_tokenizer, tmp_path / "out"))
     assert str(path) in str(err.value)
     assert not (tmp_path / "out").exists()  # nothing half-written
 
@@ -317,21 +227,7 @@ def test_bad_sst2_input_names_the_file(kind, says, generated_data, word_tokenize
 def test_block_size_longer_than_the_model_is_refused(generated_data, word_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="--block_size 256 is longer than the model's maximum of 128"):
         finetune.main(
-            [
-                "--task",
-                "wikitext2",
-                "--data_dir",
-                str(generated_data),
-                "--model_type",
-                "gpt2",
-                "--tokenizer_name",
-                word_tokenizer,
-                "--config_overrides",
-                TINY_GPT2,
-                "--block_size",
-                "256",
-                *common(tmp_path / "out"),
-            ]
+            recipe_args("wikitext2", generated_data, word_tokenizer, tmp_path / "out", "--block_size", "256")
         )
     assert not (tmp_path / "out").exists()
 
