@@ -9,7 +9,7 @@ optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per s
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
 
 Defaults saturate a large GPU: BERT-base on SST-2 at 128 sequences x 128 tokens (padded), GPT-2 124M and a
-~134M Llama-architecture model (RMSNorm; GPT-2 tokenizer) on WikiText-2 at 16 x 1024. Smaller batches (BERT
+~124M Llama-architecture model (RMSNorm; GPT-2 tokenizer) on WikiText-2 at 16 x 1024. Smaller batches (BERT
 32 x 128 on an H200) are limited by kernel-launch overhead and hide the differences. Stages default to the
 seed's ladder, then torch_fused, compiled and auto. Without CUDA the benchmark shrinks to tiny models and says,
 in the banner and on every row, that its numbers are torch fallbacks, not apex kernels.
@@ -40,6 +40,7 @@ REPO = HERE.parent
 DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 # model -> task, architecture, tokenizer (folder under <data_dir>/tokenizers, else hub id), shape flags
+_CAUSAL_LM = dict(task="wikitext2", tokenizer="gpt2", shape=["--block_size", "1024"], batch=16, eval_samples=64)
 MODELS = {
     "bert": dict(
         task="sst2",
@@ -49,25 +50,14 @@ MODELS = {
         batch=128,
         eval_samples=512,
     ),
-    "gpt2": dict(
-        task="wikitext2",
-        model_type="gpt2",
-        tokenizer="gpt2",
-        shape=["--block_size", "1024"],
-        batch=16,
-        eval_samples=64,
-    ),
-    # A ~134M Llama-architecture model (RMSNorm, GPT-2 tokenizer): what apex FusedRMSNorm does.
-    "llama": dict(
-        task="wikitext2",
-        model_type="llama",
-        tokenizer="gpt2",
-        shape=["--block_size", "1024"],
-        batch=16,
-        eval_samples=64,
-        overrides="hidden_size=768,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=12,"
+    "gpt2": {**_CAUSAL_LM, "model_type": "gpt2"},
+    # A Llama-architecture model of GPT-2 small's width and depth (~124M; GPT-2 tokenizer): what FusedRMSNorm does.
+    "llama": {
+        **_CAUSAL_LM,
+        "model_type": "llama",
+        "overrides": "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=12,"
         "intermediate_size=2048,max_position_embeddings=1024,vocab_size=50257,tie_word_embeddings=True",
-    ),
+    },
 }
 # Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
 TINY = {

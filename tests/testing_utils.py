@@ -22,90 +22,42 @@ require_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"real
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+# Shapes shared by the tiny configs (BERT-style and decoder-style names).
+_ENCODER = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
+_DECODER = {**_ENCODER, "num_key_value_heads": 2}
+
 # family -> (config class, model class, config kwargs); tiny, but every norm type of the family is present.
 TINY = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=32, n_head=2, n_positions=64)),
-    "bert": (
-        "BertConfig",
-        "BertForSequenceClassification",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-        ),
-    ),
-    "roberta": (
-        "RobertaConfig",
-        "RobertaForMaskedLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=70,
-        ),
-    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}),
+    "bert": ("BertConfig", "BertForSequenceClassification", {**_ENCODER, "num_labels": 2}),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", {**_ENCODER, "max_position_embeddings": 70}),
     "distilbert": (
         "DistilBertConfig",
         "DistilBertForSequenceClassification",
-        dict(n_layers=2, dim=32, n_heads=2, hidden_dim=64, max_position_embeddings=64),
+        {"n_layers": 2, "dim": 32, "n_heads": 2, "hidden_dim": 64, "max_position_embeddings": 64},
     ),
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        ),
-    ),
-    "qwen2": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        ),
-    ),
-    "qwen3": (
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            head_dim=16,
-        ),
-    ),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        ),
-    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _DECODER),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _DECODER),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_DECODER, "head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER),
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",
-        dict(num_layers=2, num_decoder_layers=2, d_model=32, d_kv=16, num_heads=2, d_ff=64, decoder_start_token_id=0),
+        {
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "d_model": 32,
+            "d_kv": 16,
+            "num_heads": 2,
+            "d_ff": 64,
+            "decoder_start_token_id": 0,
+        },
     ),
 }
 
