@@ -51,11 +51,11 @@ MODELS = {
         eval_samples=512,
     ),
     "gpt2": {**_CAUSAL_LM, "model_type": "gpt2"},
-    # A Llama-architecture model of GPT-2 small's width and depth (~124M; GPT-2 tokenizer): what FusedRMSNorm does.
+    # A Llama-architecture model of GPT-2 small's width and depth (124M; GPT-2 tokenizer): what FusedRMSNorm does.
     "llama": {
         **_CAUSAL_LM,
         "model_type": "llama",
-        "overrides": "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=12,"
+        "overrides": "hidden_size=768,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=12,head_dim=64,"
         "intermediate_size=2048,max_position_embeddings=1024,vocab_size=50257,tie_word_embeddings=True",
     },
 }
