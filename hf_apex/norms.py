@@ -56,9 +56,15 @@ class _ApexNormMixin:
             KERNEL_COUNTER.record(self._component, APEX)
             return self._apex_forward(x)
         if self.hf_apex_strict:
+            hint = (
+                APEX_BUILD_HINT
+                if "extension" in reason
+                else "Move the model to a CUDA device."
+                if "tensor" in reason
+                else ""
+            )
             raise ApexKernelError(
-                f"{type(self).__name__}: strict kernels are on but apex cannot run here ({reason}). "
-                f"{APEX_BUILD_HINT if 'extension' in reason else 'Move the model to a CUDA device.'}"
+                f"{type(self).__name__}: strict kernels are on but apex cannot run here ({reason}). {hint}".strip()
             )
         KERNEL_COUNTER.record(self._component, FALLBACK, reason)
         return super().forward(x)
