@@ -72,7 +72,7 @@ def source_dir(src: str | None, commit: str, workdir: Path) -> tuple[Path, str]:
         head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True)
         if head.returncode == 0:
             return path, head.stdout.strip()
-        return path, f"{commit} (declared; {path} is not a git checkout)"
+        return path, f"{commit} (declared: the source is not a git checkout)"
     path = workdir / "apex"
     if not (path / ".git").is_dir():
         subprocess.run(["git", "clone", "--filter=blob:none", APEX_REPO, str(path)], check=True)
