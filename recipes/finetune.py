@@ -196,14 +196,21 @@ def load_raw_data(args: ScriptArguments) -> datasets.DatasetDict:
             raise ValueError(f"{path}: file is empty.")
     if args.task == "wikitext2":
         return datasets.load_dataset("text", data_files={k: str(v) for k, v in paths.items()})
-    raw = datasets.DatasetDict()
-    for split, path in paths.items():
-        raw[split] = read_tsv(path, columns=("sentence", "label"))
-    return raw
+    for path in paths.values():
+        check_tsv(path, columns=("sentence", "label"))
+    # Through `datasets` (not pandas or csv by hand) so that the parsed table and the tokenisation are cached.
+    return datasets.load_dataset(
+        "csv",
+        data_files={k: str(v) for k, v in paths.items()},
+        delimiter="\t",
+        quoting=csv.QUOTE_NONE,
+        keep_default_na=False,
+        na_filter=False,
+    )
 
 
-def read_tsv(path: Path, columns: tuple[str, str]) -> datasets.Dataset:
-    """A GLUE-style TSV with a header; every row must have exactly the header's fields."""
+def check_tsv(path: Path, columns: tuple[str, str]) -> None:
+    """A GLUE-style TSV with a header; every row must have exactly the header's fields and an integer label."""
     with path.open(newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     header, body = rows[0], rows[1:]
@@ -214,12 +221,10 @@ def read_tsv(path: Path, columns: tuple[str, str]) -> datasets.Dataset:
     bad = next((i for i, r in enumerate(body, start=2) if len(r) != len(header)), None)
     if bad is not None:
         raise ValueError(f"{path}: line {bad} has {len(body[bad - 2])} fields, the header has {len(header)}.")
-    table = {name: [r[header.index(name)] for r in body] for name in columns}
-    try:
-        table["label"] = [int(v) for v in table["label"]]
-    except ValueError as exc:
-        raise ValueError(f"{path}: labels must be integers ({exc}).") from None
-    return datasets.Dataset.from_dict(table)
+    label = header.index("label")
+    for line, row in enumerate(body, start=2):
+        if not row[label].strip().lstrip("-").isdigit():
+            raise ValueError(f"{path}: line {line} has label {row[label]!r}; labels must be integers.")
 
 
 def load_model(args: ScriptArguments, tokenizer):
