@@ -102,9 +102,11 @@ class DecisionCache:
     def put(self, parts: dict, value: dict) -> None:
         entries = self._load()
         entries[self.key(parts)] = {**value, "key": parts}
+        if _rank() != 0:  # one writer per job; every rank keeps the entry in memory
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(entries, indent=1, default=str))
             os.replace(tmp, self.path)
         except OSError as exc:
@@ -121,12 +123,30 @@ class Autotuner:
         self.decisions: list[Decision] = []
 
     def choose(
-        self, component: str, key: dict, candidates: dict[str, Callable[[], None]], parity: Callable[[str], bool]
+        self,
+        component: str,
+        key: dict,
+        candidates: dict[str, Callable[[], None]],
+        parity: Callable[[str], bool],
+        same_on_all_ranks: bool = False,
     ) -> Decision:
         """Pick among ``candidates`` (name -> one timed call; TORCH is the reference and always eligible).
 
         ``parity(name)`` says whether that backend matches torch; it is only asked of non-reference backends.
+        ``same_on_all_ranks``: under torch.distributed, rank 0 decides and the others take its decision (a
+        collective: every rank must call it). Needed where ranks must agree, e.g. the optimizer under DDP, whose
+        replicas would drift apart if their updates rounded differently.
         """
+        if same_on_all_ranks and _world() > 1:
+            mine = [self._decide(component, key, candidates, parity) if _rank() == 0 else None]
+            torch.distributed.broadcast_object_list(mine, src=0)
+            decision = mine[0]
+            if _rank() != 0:
+                self.decisions.append(decision)
+            return decision
+        return self._decide(component, key, candidates, parity)
+
+    def _decide(self, component, key, candidates, parity) -> Decision:
         parts = {"component": component, **environment_key(), **key}
         hit = self.cache.get(parts)
         if hit is not None and hit.get("backend") in candidates:
@@ -188,6 +208,16 @@ def autotune_report() -> list[dict]:
 def reset_autotuner() -> None:
     global _AUTOTUNER
     _AUTOTUNER = None
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -54,7 +54,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
     profiled = (metrics["kernels"].get("profiled") or {}).get("apex") or {}
     fallback = any(c.get("fallback", 0) for c in calls.values())
     if metrics["kernels"].get("profiled") is None:
-        verified = "not profiled (no CUDA)"
+        verified = "not profiled (no CUDA)" if not (metrics.get("provenance") or {}).get("gpu") else "not profiled"
     else:
         verified = ", ".join(sorted(profiled)) or "none (torch only)"
     losses = [h["loss"] for h in metrics.get("loss_history", [])]

@@ -39,6 +39,8 @@ class _Step:
     seq_len: int
     skipped: bool = False
     ms: float | None = None
+    index: int = 0  # 1-based position in this train() call (warm-up and profiling count from here, not from a
+    # resumed checkpoint's global step)
 
 
 class StageMetricsCallback(TrainerCallback):
@@ -67,6 +69,7 @@ class StageMetricsCallback(TrainerCallback):
         self._pending: list[_Step] = []
         self._window: list[_Step] = []
         self._open: _Step | None = None
+        self._run_steps = 0
         self._tokens = 0
         self._positions = 0
         self._samples = 0
@@ -116,12 +119,13 @@ class StageMetricsCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._tokens, self._positions, self._samples, self._seq_len = 0, 0, 0, 0
-        if self._cuda and self.profile_kernels and self._profile is None and self._should_profile(state):
+        self._run_steps += 1
+        if self._cuda and self.profile_kernels and self._profile is None and self._run_steps == self._profiled_index():
             self._profile = KernelProfile().start()
         start = torch.cuda.Event(enable_timing=True) if self._cuda else time.perf_counter()
         if self._cuda:
             start.record()
-        self._open = _Step(state.global_step + 1, start, None, 0, 0, 0, 0)
+        self._open = _Step(state.global_step + 1, start, None, 0, 0, 0, 0, index=self._run_steps)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         step = self._open
@@ -151,9 +155,9 @@ class StageMetricsCallback(TrainerCallback):
             logger.info("hf_apex: stage metrics written to %s", path)
 
     # -- reporting ---------------------------------------------------------------------------------------
-    def _should_profile(self, state) -> bool:
-        # Profile the last warm-up step: it is excluded from the timings anyway.
-        return state.global_step + 1 == max(self.warmup_steps, 1)
+    def _profiled_index(self) -> int:
+        # Profile the last warm-up step of this train() call: it is excluded from the timings anyway.
+        return max(self.warmup_steps, 1)
 
     def _resolve(self) -> None:
         """Turn recorded events into milliseconds and token counts into ints (one sync, at report time)."""
@@ -174,7 +178,7 @@ class StageMetricsCallback(TrainerCallback):
         tokens, positions and samples. (A collective: every rank must call it at the same point.)"""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return steps
-        mine = [(s.step, s.ms, int(s.tokens), s.positions, s.samples, s.seq_len, s.skipped) for s in steps]
+        mine = [(s.step, s.ms, int(s.tokens), s.positions, s.samples, s.seq_len, s.skipped, s.index) for s in steps]
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         merged = []
@@ -191,6 +195,7 @@ class StageMetricsCallback(TrainerCallback):
                     max(r[5] for r in rows),
                     any(r[6] for r in rows),
                     max(r[1] for r in rows),
+                    rows[0][7],
                 )
             )
         return merged
@@ -198,17 +203,20 @@ class StageMetricsCallback(TrainerCallback):
     def _rates(self, steps: list[_Step]) -> dict:
         secs = sum(s.ms for s in steps) / 1e3
         tokens = sum(s.tokens for s in steps)
-        positions = sum(s.positions for s in steps) or tokens
         out = {
             "tokens_per_s": tokens / secs if secs else None,
             "samples_per_s": sum(s.samples for s in steps) / secs if secs else None,
         }
         # MFU counts the positions the GPU computed, padding included; tokens/s counts real tokens only.
-        seq_len = max((s.seq_len for s in steps), default=0)
-        fpt = flops_per_token(self._shape, seq_len) if self._shape else None
+        # Each step at its own sequence length (dynamic padding changes it); positions were summed over ranks.
+        flops = [flops_per_token(self._shape, s.seq_len) if self._shape else None for s in steps]
         peak = self.resolved_peak_tflops()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        out["mfu"] = fpt * positions / secs / (peak * 1e12 * world) if fpt and peak and secs else None
+        if peak and secs and flops and all(f is not None for f in flops):
+            total = sum(f * (s.positions or int(s.tokens)) for f, s in zip(flops, steps))
+            out["mfu"] = total / secs / (peak * 1e12 * world)
+        else:
+            out["mfu"] = None
         return out
 
     def resolved_peak_tflops(self) -> float | None:
@@ -234,7 +242,8 @@ class StageMetricsCallback(TrainerCallback):
         return mem
 
     def pop_log_metrics(self) -> dict[str, float]:
-        """Figures for the steps since the last call, as plain floats for ``Trainer.log``."""
+        """Figures for the steps since the last call (time, throughput, MFU), the peak memory so far, and the
+        apex/fallback call counts since training started; plain floats for ``Trainer.log``."""
         self._resolve()
         steps, self._window = self._across_ranks(self._window), []
         if not steps:
@@ -257,10 +266,11 @@ class StageMetricsCallback(TrainerCallback):
         """The run summary written to the metrics JSON."""
         self._resolve()
         steps = self._across_ranks(self.steps)
-        timed = [s for s in steps if s.step > self.warmup_steps and s.step != self._profiled_step()]
+        profiled = self._profiled_index() if self.kernels_verified is not None else None
+        timed = [s for s in steps if s.index > self.warmup_steps and s.index != profiled]
         if not timed and steps:
             logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(steps))
-            timed = steps
+            timed = [s for s in steps if s.index != profiled] or steps
         world = max(getattr(args, "world_size", 1), 1)
         counts = KERNEL_COUNTER.since(self._counts_at_start)
         losses = [{"step": h["step"], "loss": h["loss"]} for h in state.log_history if "loss" in h]
@@ -292,7 +302,8 @@ class StageMetricsCallback(TrainerCallback):
             "step_time_ms": percentiles([s.ms for s in timed]),
             **self._rates(timed),
             "peak_tflops": peak,
-            "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N without position embeddings; padding counted",
+            "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N: matmul params (no position or untied input "
+            "embeddings); padding counted",
             **self._memory_across_ranks(),
             "skipped_steps": sum(s.skipped for s in steps),
             "loss": {"first": losses[0]["loss"] if losses else None, "last": losses[-1]["loss"] if losses else None},
@@ -303,6 +314,3 @@ class StageMetricsCallback(TrainerCallback):
             "steps_ms": [round(s.ms, 4) for s in steps],
             "provenance": provenance(),
         }
-
-    def _profiled_step(self) -> int | None:
-        return max(self.warmup_steps, 1) if self.kernels_verified is not None else None

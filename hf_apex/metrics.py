@@ -22,6 +22,7 @@ METRICS_FILENAME = "hf_apex_metrics.json"
 # Matched in order against torch.cuda.get_device_name(), so the more specific names come first.
 PEAK_TFLOPS: list[tuple[str, float]] = [
     ("H100 PCIe", 756.0),
+    ("H800 PCIe", 756.0),
     ("H100 NVL", 835.0),
     ("H200", 989.0),
     ("H100", 989.0),
@@ -49,21 +50,28 @@ def _text_config(model: nn.Module):
     return config
 
 
-def non_embedding_position_params(model: nn.Module) -> int:
-    """Parameter count N for MFU: every (unique) parameter except position embeddings."""
-    position = set()
+def matmul_params(model: nn.Module) -> int:
+    """Parameter count N for MFU: every (unique) parameter except position embeddings, and except the input
+    embeddings unless they are tied to the output head (a lookup does no matmul; a tied head does)."""
+    skip = set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1].lower()
         if isinstance(module, nn.Embedding) and ("position" in leaf or leaf in ("wpe", "embed_positions")):
-            position.update(id(p) for p in module.parameters())
-    return sum(p.numel() for p in model.parameters() if id(p) not in position)
+            skip.update(id(p) for p in module.parameters())
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    inputs = get_in() if callable(get_in) else None
+    outputs = get_out() if callable(get_out) else None
+    if isinstance(inputs, nn.Embedding) and not (outputs is not None and outputs.weight is inputs.weight):
+        skip.add(id(inputs.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
 def model_shape(model: nn.Module) -> dict:
-    """N (without position embeddings), layers L and width d, for 6N + 12*L*d*T FLOPs per token."""
+    """N (matmul parameters), layers L and width d, for 6N + 12*L*d*T FLOPs per token."""
     config = _text_config(model)
     return {
-        "n_params": non_embedding_position_params(model),
+        "n_params": matmul_params(model),
         "n_layers": getattr(config, "num_hidden_layers", None),
         "hidden_size": getattr(config, "hidden_size", None),
     }

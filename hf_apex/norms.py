@@ -103,49 +103,52 @@ class _ApexRMSNormMixin(_ApexNormMixin):
         )
 
 
-# (norm class, hidden, input dtype, autocast dtype, token bucket) -> backend, for this process
+# (norm class, hidden, input dtype, autocast dtype) -> backend, for this process
 _NORM_CHOICES: dict[tuple, str] = {}
 
 
 def _autotuned_backend(module: nn.Module, x: torch.Tensor) -> str:
-    """apex or torch for this norm type at this hidden size, token count and dtype (timed once, then cached)."""
+    """apex or torch for this norm type, hidden size and dtype: timed once, on the first training call, at that
+    call's token count (later shapes reuse the decision, so no timing lands in later steps)."""
     from .autotune import APEX as A
     from .autotune import TORCH as T
     from .autotune import get_autotuner, rel_err, tolerance
 
     amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None
+    base = (type(module).__name__, x.shape[-1], x.dtype, amp)
+    if base in _NORM_CHOICES:
+        return _NORM_CHOICES[base]
+    if not module.training:  # evaluation before any training call: apex, without deciding
+        return APEX
     tokens = x.numel() // x.shape[-1]
     bucket = 1 << max(tokens - 1, 0).bit_length()
-    base = (type(module).__name__, x.shape[-1], x.dtype, amp)
-    if base + (bucket,) in _NORM_CHOICES:
-        return _NORM_CHOICES[base + (bucket,)]
-    if not torch.is_grad_enabled():  # evaluation: reuse the training decision for this norm type
-        return next((v for k, v in _NORM_CHOICES.items() if k[:4] == base), APEX)
-
-    params = [p for p in module.parameters()]
-    probe = x.detach().clone().requires_grad_(True)
-    grad_out = torch.randn_like(x, dtype=amp or x.dtype)
+    params = [p for p in module.parameters() if p.requires_grad]
     stock_forward = super(_ApexNormMixin, module).forward
     forwards = {A: module._apex_forward, T: stock_forward}
+    # Timing must not move the training RNG (dropout), and must work when the caller runs under no_grad
+    # (e.g. the first pass of activation checkpointing).
+    with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), torch.enable_grad():
+        probe = x.detach().clone().requires_grad_(True)
+        grad_out = torch.randn_like(x, dtype=amp or x.dtype)
 
-    def fwd_bwd(name):
-        y = forwards[name](probe)
-        # autograd.grad returns the gradients without accumulating into .grad: training state is untouched.
-        return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
+        def fwd_bwd(name):
+            y = forwards[name](probe)
+            # autograd.grad returns gradients without accumulating into .grad: training state is untouched.
+            return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
 
-    def parity(name):
-        (y, grads), (ref_y, ref_grads) = fwd_bwd(name), fwd_bwd(T)
-        tol = tolerance(amp or x.dtype)
-        return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
+        def parity(name):
+            (y, grads), (ref_y, ref_grads) = fwd_bwd(name), fwd_bwd(T)
+            tol = tolerance(amp or x.dtype)
+            return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
 
-    decision = get_autotuner().choose(
-        module._component,
-        {"norm": base[0], "hidden": base[1], "tokens": bucket, "dtype": str(x.dtype), "autocast": str(amp)},
-        {name: (lambda name=name: fwd_bwd(name)) for name in forwards},
-        parity,
-    )
+        decision = get_autotuner().choose(
+            module._component,
+            {"norm": base[0], "hidden": base[1], "tokens": bucket, "dtype": str(x.dtype), "autocast": str(amp)},
+            {name: (lambda name=name: fwd_bwd(name)) for name in forwards},
+            parity,
+        )
     backend = TORCH_CHOSEN if decision.backend == T else APEX
-    _NORM_CHOICES[base + (bucket,)] = backend
+    _NORM_CHOICES[base] = backend
     return backend
 
 
@@ -163,7 +166,9 @@ def swapped_class(stock_cls: type) -> type:
         return ApexFusedLayerNorm
     if stock_cls not in _SWAPPED_CLASSES:
         name = f"ApexFused{stock_cls.__name__}"
-        _SWAPPED_CLASSES[stock_cls] = type(name, (_ApexRMSNormMixin, stock_cls), {"__module__": __name__})
+        cls = type(name, (_ApexRMSNormMixin, stock_cls), {"__module__": __name__})
+        globals().setdefault(name, cls)  # importable by name, so pickle/torch.save of a rewired model works
+        _SWAPPED_CLASSES[stock_cls] = cls
     return _SWAPPED_CLASSES[stock_cls]
 
 

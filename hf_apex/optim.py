@@ -69,10 +69,12 @@ class FusedAdamFallback(torch.optim.Optimizer):
                 loss = closure()
         KERNEL_COUNTER.record("optimizer", FALLBACK, self.fallback_reason)
         for group in self.param_groups:
+            if not group["params"]:
+                continue
+            group["step"] = group.get("step", 0) + 1  # like apex: per non-empty group, grads or not
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
             step, lr, wd = group["step"], group["lr"], group["weight_decay"]
             bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
@@ -161,8 +163,11 @@ def apex_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = Non
             )
         return _apex_classes()["fused_lamb"], kwargs
     if blocker is None:
-        if getattr(args, "autotune", False) and model is not None and autotune_adam(model, kwargs) == "torch":
-            return torch.optim.AdamW, {k: kwargs[k] for k in ("lr", "betas", "eps")} | {"fused": True}
+        if getattr(args, "autotune", False) and model is not None:
+            backend = autotune_adam(model, kwargs)
+            torch.cuda.empty_cache()  # give back the timing copies of the parameters
+            if backend == "torch":
+                return torch.optim.AdamW, {k: kwargs[k] for k in ("lr", "betas", "eps")} | {"fused": True}
         return _apex_classes()["fused_adam"], kwargs
     if getattr(args, "apex_strict_kernels", False):
         raise ApexKernelError(
@@ -171,7 +176,7 @@ def apex_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = Non
     return FusedAdamFallback, kwargs
 
 
-AUTOTUNE_PARAM_BYTES = 2 * 2**30  # time the optimizer on at most this many bytes of the model's parameters
+AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
 
 
 def autotune_adam(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
@@ -197,7 +202,8 @@ def autotune_adam(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
         "shapes": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16],
     }
     common = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"], "weight_decay": 0.01}
-    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    with torch.random.fork_rng(devices=[params[0].device] if params and params[0].is_cuda else []):
+        grads = [torch.randn_like(p) * 1e-3 for p in params]  # without moving the training RNG
 
     def build(name):
         copies = [p.detach().clone() for p in params]
@@ -214,4 +220,5 @@ def autotune_adam(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
         return all(rel_err(a, b) < tolerance(torch.float32) for a, b in zip(mine, ref))
 
     steppers = {name: build(name)[1].step for name in (APEX, TORCH)}
-    return get_autotuner().choose("optimizer", key, steppers, parity).backend
+    # All ranks must step with the same implementation, or DDP replicas drift apart.
+    return get_autotuner().choose("optimizer", key, steppers, parity, same_on_all_ranks=True).backend

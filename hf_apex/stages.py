@@ -4,7 +4,8 @@
 each stage sets on :class:`~hf_apex.ApexTrainingArguments`. The seed's four stages come first, each changing
 one thing relative to the previous one; the rungs after them go beyond the seed (torch's own fused kernels,
 ``torch.compile``, and ``auto``, which times apex against torch on your GPU). Every stage keeps the same
-hyper-parameters and the same maths; only the implementation changes.
+hyper-parameters and the same maths; only the implementation changes — except that under autocast apex's fused
+norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
 
 from __future__ import annotations

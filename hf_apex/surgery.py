@@ -87,7 +87,9 @@ def _is_norm_like(module: nn.Module) -> bool:
 def _rms_norm_matches(module: nn.Module) -> bool:
     """For an RMSNorm class we do not know: does it compute weight * x * rsqrt(mean(x^2)+eps)?"""
     weight = module.weight
-    if weight.ndim != 1 or weight.device.type == "meta":
+    own = dict(module.named_parameters(recurse=False))
+    # Only a weight (no bias, no children) can be a FusedRMSNorm drop-in; meta tensors cannot be probed.
+    if set(own) != {"weight"} or list(module.children()) or weight.ndim != 1 or weight.device.type == "meta":
         return False
     try:
         eps = rms_norm_eps(module)

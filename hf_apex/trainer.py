@@ -45,6 +45,11 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
             f"apex_optimizer='fused_lamb' needs apex's amp_C kernels (no torch fallback). {APEX_BUILD_HINT}"
         )
     if args.apex_strict_kernels:
+        if args.apex_fused_norms and args.torch_compile:
+            raise ValueError(
+                "apex_strict_kernels=True with apex_fused_norms and torch_compile: under torch.compile the swapped "
+                "norms run the torch op inside the graph, not apex's kernel. Drop one of the three."
+            )
         missing = []
         if args.apex_optimizer != "none" and not is_fused_adam_available():
             missing.append("amp_C (FusedAdam/FusedLAMB)")

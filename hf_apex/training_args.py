@@ -62,7 +62,8 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage pins `optim` (`"adamw_torch"`, foreach, unless the stage uses torch's fused AdamW) and `tf32=False`;
-    > without a stage the `TrainingArguments` defaults apply unchanged.
+    > without a stage the `TrainingArguments` defaults apply unchanged. An explicit `--optim` equal to the
+    > transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["apex_optimizer_kwargs"]

@@ -227,7 +227,8 @@ def main(argv=None) -> int:
             plain = json.loads(plain_json.read_text())
         row = row_from_metrics(name, metrics, plain)
         rows.append(row)
-        print(f"  {name:5s} {stage:14s} p50 {row.step_time_ms_p50:8.1f} ms  ({time.time() - t0:.0f} s)", flush=True)
+        p50 = f"{row.step_time_ms_p50:8.1f} ms" if row.step_time_ms_p50 is not None else "n/a"
+        print(f"  {name:5s} {stage:14s} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)
     add_ratios(rows)
     config = {k: v for k, v in vars(opts).items()}
     config["command"] = " ".join(["python", "recipes/bench.py", *(argv if argv is not None else sys.argv[1:])])

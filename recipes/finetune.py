@@ -22,6 +22,7 @@ works; `python recipes/finetune.py --help` lists them all.
 from __future__ import annotations
 
 import csv
+import itertools
 import logging
 import math
 import os
@@ -281,7 +282,7 @@ def prepare_wikitext2(args, raw, tokenizer, model, training_args):
         return tokenizer(batch["text"])
 
     def pack(batch):  # concatenate everything, cut into blocks of `block` tokens, drop the remainder
-        joined = {k: sum(batch[k], []) for k in batch}
+        joined = {k: list(itertools.chain.from_iterable(batch[k])) for k in batch}
         usable = (len(joined["input_ids"]) // block) * block
         out = {k: [v[i : i + block] for i in range(0, usable, block)] for k, v in joined.items()}
         out["labels"] = [ids.copy() for ids in out["input_ids"]]

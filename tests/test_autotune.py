@@ -164,3 +164,12 @@ def test_swapped_norm_uses_the_autotuned_backend(fake_apex_kernel, apex_forward,
     with torch.no_grad():  # evaluation at another shape reuses the training decision, no new timing
         model(torch.randn(64, 8))
     assert len(tuner.decisions) == 1
+
+
+def test_autotune_copes_with_frozen_norm_weights(fake_apex_kernel):
+    tuner = fake_apex_kernel(_correct, {"apex": 1.0, "torch": 2.0})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    model[1].weight.requires_grad_(False)
+    rewire(model, autotune=True)
+    model(torch.randn(4, 8)).sum().backward()
+    assert tuner.decisions[0].backend == "apex"

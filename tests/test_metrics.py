@@ -5,14 +5,19 @@ from hf_apex.profiling import classify_kernels
 from tests.testing_utils import tiny_model
 
 
-def test_n_excludes_position_embeddings_only():
+def test_n_counts_matmul_parameters():
     model = tiny_model("gpt2")
     total = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
     shape = model_shape(model)
+    # GPT-2: position embeddings out; the word embeddings stay, since they are also the (tied) LM head.
     assert shape["n_params"] == total - model.transformer.wpe.weight.numel()
     assert (shape["n_layers"], shape["hidden_size"]) == (2, 32)
+    # BERT classification: position and word embeddings are lookups only (token types are tiny lookups too,
+    # but kept, as the formula only names position embeddings and untied input embeddings).
     bert = tiny_model("bert")
-    assert model_shape(bert)["n_params"] == sum(p.numel() for p in bert.parameters()) - 64 * 32
+    embeddings = bert.bert.embeddings
+    expected = sum(p.numel() for p in bert.parameters()) - embeddings.position_embeddings.weight.numel()
+    assert model_shape(bert)["n_params"] == expected - embeddings.word_embeddings.weight.numel()
 
 
 def test_flops_per_token_formula():

@@ -126,3 +126,13 @@ def test_lamb_warns_about_double_clipping_and_has_no_fallback(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_apex"), pytest.raises(ApexKernelError, match="no torch fallback"):
         apex_optimizer_cls_and_kwargs(_args(apex_optimizer="fused_lamb"))
     assert "clipped twice" in caplog.text
+
+
+def test_fallback_counts_steps_per_group_like_apex_even_without_grads():
+    frozen_this_step = torch.nn.Parameter(torch.randn(3))
+    live = torch.nn.Parameter(torch.randn(3))
+    opt = FusedAdamFallback([{"params": [frozen_this_step]}, {"params": [live]}], lr=1e-3)
+    live.grad = torch.randn(3)
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [1, 1]  # apex bumps every non-empty group
+    assert not opt.state[frozen_this_step]

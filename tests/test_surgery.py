@@ -182,3 +182,33 @@ def test_layer_norm_and_rms_norm_switches():
     model = nn.Sequential(nn.LayerNorm(4))
     report = rewire(model, layer_norm=False)
     assert report.num_swapped == 0 and "disabled" in report.skipped["0"]
+
+
+def test_unknown_rmsnorm_with_a_bias_is_not_swapped():
+    class BiasRMSNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(n))
+            self.bias = torch.nn.Parameter(torch.zeros(n))  # zero now, so a numeric probe alone would pass
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) + self.bias
+
+    report = rewire(nn.ModuleDict({"n": BiasRMSNorm(8)}))
+    assert report.num_swapped == 0 and "n" in report.skipped
+
+
+def test_rewired_models_pickle(tmp_path):
+    import io
+
+    model = tiny_model("llama")
+    rewire(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.model.norm).__name__ == "ApexFusedLlamaRMSNorm"
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs)[0], model(**inputs)[0])

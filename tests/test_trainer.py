@@ -128,6 +128,7 @@ def test_plain_training_arguments_behave_like_trainer(tmp_path):
         (dict(stage="fused_adam_ln", apex_strict_kernels=True), {}, "fused_layer_norm_cuda"),
         (dict(apex_optimizer="fused_lamb"), {}, "fused_lamb"),
         (dict(stage="fused_adam"), {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+        (dict(apex_fused_norms=True, torch_compile=True, apex_strict_kernels=True, bf16=True), {}, "torch.compile"),
     ],
 )
 def test_validation_errors_before_training(tmp_path, monkeypatch, kw, env, match):
@@ -203,6 +204,8 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(stage, tmp_path):
         assert again_losses[step] == pytest.approx(straight_losses[step], rel=1e-6, abs=1e-7)
     if stage == "fused_adam":
         assert [g["step"] for g in again.optimizer.optimizer.param_groups] == [6, 6]
+    # Warm-up counts from the resumed run's first step: steps 4 and 5 warm up, step 6 is timed.
+    assert json.loads((tmp_path / "run" / METRICS_FILENAME).read_text())["run"]["timed_steps"] == 1
     for p, q in zip(straight.model.parameters(), again.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
