@@ -51,5 +51,5 @@ def test_two_process_ddp_matches_one_process(stage, tmp_path):
     # Tokens are summed over the ranks: each step of both runs covers the same 4 x 16 tokens.
     assert ddp["run"]["steps"] == one["run"]["steps"] == 5
     tokens_per_step_ddp = ddp["tokens_per_s"] * sum(ddp["steps_ms"][1:]) / 1e3 / 4
-    assert tokens_per_step_ddp == pytest.approx(64, rel=1e-6)
+    assert tokens_per_step_ddp == pytest.approx(64, rel=1e-3)  # steps_ms is rounded to 0.1 µs in the JSON
     assert not (tmp_path / "ddp" / "hf_apex_metrics.json.tmp").exists()
