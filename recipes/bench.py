@@ -108,6 +108,12 @@ def parse_args(argv=None):
         "so the global batch grows with --nproc; plain-loop references run only with 1 process",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skip_existing",
+        action="store_true",
+        help="reuse runs already in --out_dir/runs (finish an interrupted bench, or fill the table over several "
+        "sessions) instead of running them again",
+    )
     return parser.parse_args(argv)
 
 
@@ -204,28 +210,23 @@ def main(argv=None) -> int:
     rows = []
     for name, stage in itertools.product(opts.models, opts.stages):
         run_dir = out_dir / "runs" / f"{name}-{stage}"
+        metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{name}-{stage}-plain.json"
+        want_plain = not opts.no_plain_loop and opts.nproc == 1
         t0 = time.time()
-        launcher = [sys.executable]
-        if opts.nproc > 1:
-            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
-        run(
-            [*launcher, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)],
-            out_dir / f"{name}-{stage}.log",
-        )
-        metrics = json.loads((run_dir / METRICS_FILENAME).read_text())
-        plain = None
-        if not opts.no_plain_loop and opts.nproc == 1:
-            plain_json = out_dir / "runs" / f"{name}-{stage}-plain.json"
-            cmd = [
-                sys.executable,
-                str(HERE / "bench.py"),
-                "--plain-loop-worker",
-                str(plain_json),
-                *finetune_args(name, stage, opts, run_dir / "plain"),
-            ]
-            run(cmd, out_dir / f"{name}-{stage}-plain.log")
-            plain = json.loads(plain_json.read_text())
-        row = row_from_metrics(name, metrics, plain)
+        if opts.skip_existing and metrics_json.is_file() and (plain_json.is_file() or not want_plain):
+            print(f"  {name:5s} {stage:14s} kept from {run_dir}", flush=True)
+        else:
+            launcher = [sys.executable]
+            if opts.nproc > 1:
+                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
+            finetune = [*launcher, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)]
+            run(finetune, out_dir / f"{name}-{stage}.log")
+            if want_plain:
+                plain_args = finetune_args(name, stage, opts, run_dir / "plain")
+                worker = [sys.executable, str(HERE / "bench.py"), "--plain-loop-worker", str(plain_json), *plain_args]
+                run(worker, out_dir / f"{name}-{stage}-plain.log")
+        plain = json.loads(plain_json.read_text()) if want_plain else None
+        row = row_from_metrics(name, json.loads(metrics_json.read_text()), plain)
         rows.append(row)
         p50 = f"{row.step_time_ms_p50:8.1f} ms" if row.step_time_ms_p50 is not None else "n/a"
         print(f"  {name:5s} {stage:14s} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)

@@ -107,6 +107,10 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
             "peak_memory_allocated_gib",
         ):
             assert key in r
+    # A second call with --skip_existing reuses every run and rebuilds the same table.
+    again = run_bench(generated_data, word_tokenizer, tmp_path, "--steps 2 --warmup 1 --skip_existing")
+    assert again.stdout.count("kept from") == 8
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == rows
     table = (tmp_path / "results.md").read_text()
     assert table.startswith("FALLBACK NUMBERS") and table.count("(fallback)") == 6
     assert (tmp_path / "results.csv").read_text().count("\n") == 9
