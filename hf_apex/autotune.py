@@ -205,11 +205,6 @@ def autotune_report() -> list[dict]:
     return _AUTOTUNER.report() if _AUTOTUNER is not None else []
 
 
-def reset_autotuner() -> None:
-    global _AUTOTUNER
-    _AUTOTUNER = None
-
-
 def _world() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
