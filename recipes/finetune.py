@@ -324,3 +324,6 @@ if __name__ == "__main__":
         main()
     except ValueError as exc:  # bad input: one clear line, no traceback
         sys.exit(f"finetune.py: error: {exc}")
+    finally:  # under torchrun: close the process group rather than leave it to interpreter exit
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -42,6 +42,11 @@ def main(out_dir: str, stage: str, batch: int) -> None:
     trainer.train()
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     torch.save(state, Path(out_dir) / f"params-rank{args.process_index}.pt")
+    if torch.distributed.is_initialized():
+        # Tear gloo down explicitly: left to interpreter exit, its threads can abort the process
+        # ("terminate called without an active exception") after training has finished.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
