@@ -120,7 +120,11 @@ class Autotuner:
         self.cache = cache or DecisionCache()
         self.timer = timer
         self.budget_s = budget_s
-        self.decisions: list[Decision] = []
+        self.decisions: list[Decision] = []  # every decision of this process, in order
+        # In-process answers for hot paths (a swapped norm asks on every forward): key -> backend. Emptied by
+        # begin_run(), so each training run takes its decisions again (from the disk cache, cheaply) and reports them.
+        self.memo: dict = {}
+        self._run_start = 0
 
     def choose(
         self,
@@ -179,8 +183,14 @@ class Autotuner:
         )
         return decision
 
+    def begin_run(self) -> None:
+        """A training run starts: its report holds only the decisions taken from here on."""
+        self.memo.clear()
+        self._run_start = len(self.decisions)
+
     def report(self) -> list[dict]:
-        return [dataclasses.asdict(d) for d in self.decisions]
+        """The decisions of the current run (all of them when begin_run was never called)."""
+        return [dataclasses.asdict(d) for d in self.decisions[self._run_start :]]
 
 
 _AUTOTUNER: Autotuner | None = None
@@ -201,7 +211,7 @@ def get_autotuner() -> Autotuner:
 
 
 def autotune_report() -> list[dict]:
-    """Every decision this process made (empty when autotune never ran)."""
+    """The decisions of the current run (empty when autotune never ran)."""
     return _AUTOTUNER.report() if _AUTOTUNER is not None else []
 
 

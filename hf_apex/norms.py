@@ -103,10 +103,6 @@ class _ApexRMSNormMixin(_ApexNormMixin):
         )
 
 
-# (norm class, hidden, input dtype, autocast dtype) -> backend, for this process
-_NORM_CHOICES: dict[tuple, str] = {}
-
-
 def _autotuned_backend(module: nn.Module, x: torch.Tensor) -> str:
     """apex or torch for this norm type, hidden size and dtype: timed once, on the first training call, at that
     call's token count (later shapes reuse the decision, so no timing lands in later steps)."""
@@ -116,8 +112,9 @@ def _autotuned_backend(module: nn.Module, x: torch.Tensor) -> str:
 
     amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None
     base = (type(module).__name__, x.shape[-1], x.dtype, amp)
-    if base in _NORM_CHOICES:
-        return _NORM_CHOICES[base]
+    tuner = get_autotuner()
+    if base in tuner.memo:
+        return tuner.memo[base]
     if not module.training:  # evaluation before any training call: apex, without deciding
         return APEX
     tokens = x.numel() // x.shape[-1]
@@ -141,14 +138,14 @@ def _autotuned_backend(module: nn.Module, x: torch.Tensor) -> str:
             tol = tolerance(amp or x.dtype)
             return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
 
-        decision = get_autotuner().choose(
+        decision = tuner.choose(
             module._component,
             {"norm": base[0], "hidden": base[1], "tokens": bucket, "dtype": str(x.dtype), "autocast": str(amp)},
             {name: (lambda name=name: fwd_bwd(name)) for name in forwards},
             parity,
         )
     backend = TORCH_CHOSEN if decision.backend == T else APEX
-    _NORM_CHOICES[base] = backend
+    tuner.memo[base] = backend
     return backend
 
 

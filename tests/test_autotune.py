@@ -4,14 +4,17 @@ stand-in for apex's kernel."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_apex import autotune, norms, rewire
+from hf_apex import ApexTrainer, ApexTrainingArguments, autotune, norms, rewire
 from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
 from hf_apex.counters import KERNEL_COUNTER
+from hf_apex.metrics import METRICS_FILENAME
+from tests.testing_utils import TokenDataset, tiny_model
 
 
 class FakeTimer:
@@ -113,7 +116,6 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(tuner, tmp_path, caplog, cont
 def fake_apex_kernel(monkeypatch, tmp_path):
     """Let the swapped norm believe apex can run on CPU; `_apex_forward` is a torch stand-in we control."""
     monkeypatch.setattr(norms, "_fallback_reason", lambda x, w: None)
-    monkeypatch.setattr(norms, "_NORM_CHOICES", {})
     monkeypatch.setattr(autotune, "_AUTOTUNER", None)
     monkeypatch.setenv("HF_APEX_CACHE", str(tmp_path / "cache.json"))
 
@@ -173,3 +175,28 @@ def test_autotune_copes_with_frozen_norm_weights(fake_apex_kernel):
     rewire(model, autotune=True)
     model(torch.randn(4, 8)).sum().backward()
     assert tuner.decisions[0].backend == "apex"
+
+
+def test_each_training_run_reports_its_own_decisions(fake_apex_kernel, tmp_path):
+    fake_apex_kernel(_correct, {"apex": 1.0, "torch": 2.0})
+
+    def decisions(stage):
+        args = ApexTrainingArguments(
+            output_dir=str(tmp_path / stage),
+            stage=stage,
+            use_cpu=True,
+            report_to="none",
+            max_steps=3,
+            per_device_train_batch_size=4,
+            save_strategy="no",
+            metrics_warmup_steps=1,
+            disable_tqdm=True,
+        )
+        ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset()).train()
+        report = json.loads((tmp_path / stage / METRICS_FILENAME).read_text())["autotune"]
+        return [(d["component"], d["backend"], d["cached"]) for d in report]
+
+    assert decisions("auto") == [("layer_norm", "apex", False)]
+    shutil.move(tmp_path / "auto", tmp_path / "first")
+    assert decisions("auto") == [("layer_norm", "apex", True)]  # taken again, from the disk cache
+    assert decisions("baseline") == []  # no autotune in this run: nothing from the earlier ones
