@@ -99,6 +99,12 @@ class StageMetricsCallback(TrainerCallback):
 
     # -- hooks -------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        # A train() that ended by an exception never reached on_train_end (auto_find_batch_size retries after an
+        # OOM, an interrupted notebook cell): drop its hook and profiler, or tokens would be counted twice.
+        if self._hook is not None:
+            self._hook.remove()
+        if self._profile is not None and self._profile.running:
+            self._profile.stop()
         self._reset()
         if self.stage is None:
             self.stage = getattr(args, "stage", None)
@@ -143,6 +149,13 @@ class StageMetricsCallback(TrainerCallback):
         if self._profile is not None and self._profile.running:
             self.kernels_verified = self._profile.stop()
         self._pending.append(step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # ApexTrainer has already merged (and emptied) this window into the training log; with a stock Trainer
+        # nothing reads it, so resolve the events at the Trainer's own sync point and keep memory bounded.
+        if logs and "loss" in logs:
+            self._resolve()
+            self._window.clear()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -283,7 +296,9 @@ class StageMetricsCallback(TrainerCallback):
                 **self._shape,
             },
             "run": {
-                "per_device_train_batch_size": args.per_device_train_batch_size,
+                # the batch that ran (auto_find_batch_size may have lowered the requested one)
+                "per_device_train_batch_size": getattr(state, "train_batch_size", None)
+                or args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "world_size": world,
                 "seq_len": max((s.seq_len for s in steps), default=None),
@@ -310,7 +325,7 @@ class StageMetricsCallback(TrainerCallback):
             "loss_history": losses,
             "kernels": {"calls": counts, "profiled": self.kernels_verified, **self.extra.get("kernels", {})},
             "rewire": self.extra.get("rewire"),
-            "autotune": autotune_report(),
+            "autotune": autotune_report() if getattr(args, "autotune", False) else [],
             "steps_ms": [round(s.ms, 4) for s in steps],
             "provenance": provenance(),
         }

@@ -6,6 +6,7 @@ Override points for subclasses (each calls ``super()`` and can be replaced alone
   ``model_init`` produces (the Trainer re-creates it in ``train()``), before any DDP or compile wrapping.
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
+- ``train()``: starts a new autotune run (``args.autotune``), so the metrics report this run's decisions.
 - ``log(logs, start_time)``: merges the stage metrics of the current logging window into every log.
 
 With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
@@ -22,8 +23,9 @@ from transformers import Trainer
 from .autotune import configure_autotuner
 from .callbacks import StageMetricsCallback
 from .import_utils import APEX_BUILD_HINT, is_fused_adam_available, is_fused_norm_available
+from .norms import is_swapped
 from .optim import apex_optimizer_cls_and_kwargs
-from .surgery import RewireReport, rewire
+from .surgery import RewireReport, rewire, unrewire
 from .training_args import ApexTrainingArguments
 
 logger = logging.getLogger("hf_apex")
@@ -87,6 +89,12 @@ class ApexTrainer(Trainer):
             self.stage_metrics = self.create_stage_metrics_callback()
             self.add_callback(self.stage_metrics)
 
+    def train(self, *args, **kwargs):
+        if isinstance(self.args, ApexTrainingArguments) and self.args.autotune:
+            # Before the optimizer is created: this run's decisions (optimizer, norms) are the ones reported.
+            configure_autotuner(self.args.autotune_cache).begin_run()
+        return super().train(*args, **kwargs)
+
     # Re-apply the surgery to every model model_init builds (Trainer re-creates the model in train()).
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
@@ -99,6 +107,10 @@ class ApexTrainer(Trainer):
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
         if not self.args.apex_fused_norms:
+            if any(is_swapped(m) for m in model.modules()):  # rewire() works in place: a model reused from an
+                # earlier fused-norm run must not carry apex norms into a stage that has none
+                logger.warning("hf_apex: apex_fused_norms is off; restoring the stock norms of the rewired model.")
+                unrewire(model)
             return None
         report = rewire(model, strict_kernels=self.args.apex_strict_kernels, autotune=self.args.autotune)
         if report.num_swapped == 0:

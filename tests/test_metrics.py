@@ -32,6 +32,8 @@ def test_flops_per_token_formula():
         ("NVIDIA H200", 989.0),
         ("NVIDIA H100 80GB HBM3", 989.0),
         ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
         ("NVIDIA A100-SXM4-80GB", 312.0),
         ("Tesla T4", None),
         (None, None),

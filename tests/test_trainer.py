@@ -159,6 +159,39 @@ def test_stock_trainer_with_the_callback_writes_metrics(tmp_path):
     assert metrics["stage"] == "custom" and metrics["run"]["timed_steps"] == 3
     assert metrics["tokens_per_s"] > 0 and metrics["samples_per_s"] > 0
     assert metrics["mfu"] is None  # no GPU, no peak: MFU is not invented
+    assert not callback._window  # nothing merges the window on a stock Trainer: each log drops it
+
+
+def test_a_train_that_raised_leaves_no_hook_behind(tmp_path):
+    class FailsOnce(TokenDataset):
+        fail_at = 10  # items fetched before the first run dies (as an OOM retry or a Ctrl-C would)
+
+        def __getitem__(self, i):
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise RuntimeError("interrupted")
+            return super().__getitem__(i)
+
+    model = tiny_model("gpt2").train()
+    trainer = ApexTrainer(model=model, args=train_args(tmp_path, stage="baseline"), train_dataset=FailsOnce())
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.train()
+    trainer.train()
+    assert [s.tokens for s in trainer.stage_metrics.steps] == [4 * 16] * 6  # counted once, not by two hooks
+    assert not model._forward_pre_hooks
+
+
+def test_a_rewired_model_reused_for_baseline_gets_its_stock_norms_back(tmp_path):
+    model = tiny_model("gpt2").train()
+    ApexTrainer(model=model, args=train_args(tmp_path / "ln", stage="fused_adam_ln"), train_dataset=TokenDataset())
+    assert any(is_swapped(m) for m in model.modules())
+    trainer = ApexTrainer(
+        model=model, args=train_args(tmp_path / "base", stage="baseline"), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    assert not any(is_swapped(m) for m in model.modules())
+    metrics = json.loads((tmp_path / "base" / METRICS_FILENAME).read_text())
+    assert metrics["rewire"] is None and "layer_norm" not in metrics["kernels"]["calls"]
 
 
 def test_peak_tflops_override_gives_mfu(tmp_path):
