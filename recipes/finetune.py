@@ -64,6 +64,10 @@ OFFLINE_HINT = (
 )
 
 
+class InputError(ValueError):
+    """Bad flags or data, found before training: reported as one line, without a traceback."""
+
+
 @dataclass
 class ScriptArguments:
     """What to train on: the task, its data and the model (flags follow the HF example scripts)."""
@@ -101,7 +105,10 @@ class ScriptArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, ApexTrainingArguments))
-    script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as exc:  # an inconsistent combination of TrainingArguments
+        raise InputError(str(exc)) from exc
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     check_args(script_args)
@@ -149,15 +156,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 def check_args(args: ScriptArguments) -> None:
     if (args.model_name_or_path is None) == (args.model_type is None):
-        raise ValueError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
+        raise InputError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
     if args.model_type is not None and args.tokenizer_name is None:
-        raise ValueError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
+        raise InputError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
     if args.config_overrides is not None and args.model_type is None:
-        raise ValueError("--config_overrides only applies with --model_type.")
-    for name in ("max_train_samples", "max_eval_samples", "block_size"):
+        raise InputError("--config_overrides only applies with --model_type.")
+    for name in ("max_train_samples", "max_eval_samples", "block_size", "max_seq_length"):
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise ValueError(f"--{name} must be positive, got {value}.")
+            raise InputError(f"--{name} must be positive, got {value}.")
 
 
 def hub_call(what: str, fn, *args, **kwargs):
@@ -166,7 +173,7 @@ def hub_call(what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (OSError, ConnectionError, ValueError) as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-        raise ValueError(
+        raise InputError(
             f"Could not load {what}{' (HF_HUB_OFFLINE is set)' if offline else ''}: {exc}\n{OFFLINE_HINT}"
         ) from exc
 
@@ -192,9 +199,9 @@ def load_raw_data(args: ScriptArguments) -> datasets.DatasetDict:
     paths = {split: Path(args.data_dir) / rel for split, rel in files.items()}
     for split, path in paths.items():
         if not path.is_file():
-            raise ValueError(f"{path}: {split} file not found (--data_dir must hold {', '.join(files.values())}).")
+            raise InputError(f"{path}: {split} file not found (--data_dir must hold {', '.join(files.values())}).")
         if path.stat().st_size == 0:
-            raise ValueError(f"{path}: file is empty.")
+            raise InputError(f"{path}: file is empty.")
     if args.task == "wikitext2":
         return datasets.load_dataset("text", data_files={k: str(v) for k, v in paths.items()})
     for path in paths.values():
@@ -216,16 +223,16 @@ def check_tsv(path: Path, columns: tuple[str, str]) -> None:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     header, body = rows[0], rows[1:]
     if set(columns) - set(header):
-        raise ValueError(f"{path}: columns are {header}, expected {list(columns)}.")
+        raise InputError(f"{path}: columns are {header}, expected {list(columns)}.")
     if not body:
-        raise ValueError(f"{path}: has a header but no rows.")
+        raise InputError(f"{path}: has a header but no rows.")
     bad = next((i for i, r in enumerate(body, start=2) if len(r) != len(header)), None)
     if bad is not None:
-        raise ValueError(f"{path}: line {bad} has {len(body[bad - 2])} fields, the header has {len(header)}.")
+        raise InputError(f"{path}: line {bad} has {len(body[bad - 2])} fields, the header has {len(header)}.")
     label = header.index("label")
     for line, row in enumerate(body, start=2):
         if not row[label].strip().lstrip("-").isdigit():
-            raise ValueError(f"{path}: line {line} has label {row[label]!r}; labels must be integers.")
+            raise InputError(f"{path}: line {line} has label {row[label]!r}; labels must be integers.")
 
 
 def load_model(args: ScriptArguments, tokenizer):
@@ -252,12 +259,17 @@ def model_max_positions(model) -> int | None:
 
 
 def prepare_sst2(args, raw, tokenizer, model, training_args):
+    max_positions = model_max_positions(model)
+    if max_positions is not None and args.max_seq_length > max_positions:
+        raise InputError(
+            f"--max_seq_length {args.max_seq_length} is longer than the model's maximum of {max_positions} positions."
+        )
     num_labels = model.config.num_labels
     for split in ("train", "validation"):
         labels = raw[split]["label"]
         if min(labels) < 0 or max(labels) >= num_labels:
             where = Path(args.data_dir, TASKS["sst2"][1][split]) if args.data_dir else f"{split} split"
-            raise ValueError(
+            raise InputError(
                 f"{where}: labels span [{min(labels)}, {max(labels)}], outside the model's {num_labels} labels."
             )
     raw = limit(raw, args)
@@ -276,7 +288,7 @@ def prepare_wikitext2(args, raw, tokenizer, model, training_args):
     max_positions = model_max_positions(model)
     block = args.block_size or min(1024, max_positions or 1024)
     if max_positions is not None and block > max_positions:
-        raise ValueError(f"--block_size {block} is longer than the model's maximum of {max_positions} positions.")
+        raise InputError(f"--block_size {block} is longer than the model's maximum of {max_positions} positions.")
 
     def tokenize(batch):
         return tokenizer(batch["text"])
@@ -295,7 +307,7 @@ def prepare_wikitext2(args, raw, tokenizer, model, training_args):
         packed = tokenized.map(pack, batched=True, batch_size=1000, desc=f"Packing into blocks of {block}")
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
-            raise ValueError(
+            raise InputError(
                 f"{split} split holds fewer than {block} tokens: nothing to train on at --block_size {block}."
             )
     packed = limit(packed, args)
@@ -322,7 +334,7 @@ def accuracy(eval_pred) -> dict[str, float]:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as exc:  # bad input: one clear line, no traceback
+    except InputError as exc:  # bad input: one clear line, no traceback (errors during training keep theirs)
         sys.exit(f"finetune.py: error: {exc}")
     finally:  # under torchrun: close the process group rather than leave it to interpreter exit
         if torch.distributed.is_available() and torch.distributed.is_initialized():

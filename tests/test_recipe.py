@@ -183,6 +183,7 @@ def test_offline_hub_names_fail_with_the_offline_alternative(args, says, word_to
     assert out.returncode != 0
     assert says in out.stderr and "HF_HUB_OFFLINE is set" in out.stderr
     assert "--data_dir" in out.stderr and "--model_type" in out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("finetune.py: error:")
     assert not (tmp_path / "out").exists()
 
 
@@ -224,11 +225,12 @@ def test_bad_sst2_input_names_the_file(kind, says, generated_data, word_tokenize
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-def test_block_size_longer_than_the_model_is_refused(generated_data, word_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="--block_size 256 is longer than the model's maximum of 128"):
-        finetune.main(
-            recipe_args("wikitext2", generated_data, word_tokenizer, tmp_path / "out", "--block_size", "256")
-        )
+@pytest.mark.parametrize(
+    "task, flag", [("wikitext2", "--block_size"), ("sst2", "--max_seq_length")], ids=["block", "seq"]
+)
+def test_sequences_longer_than_the_model_are_refused(task, flag, generated_data, word_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=f"{flag} 256 is longer than the model's maximum of 128"):
+        finetune.main(recipe_args(task, generated_data, word_tokenizer, tmp_path / "out", flag, "256"))
     assert not (tmp_path / "out").exists()
 
 
