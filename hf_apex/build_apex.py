@@ -76,6 +76,9 @@ def source_dir(src: str | None, commit: str, workdir: Path) -> tuple[Path, str]:
     path = workdir / "apex"
     if not (path / ".git").is_dir():
         subprocess.run(["git", "clone", "--filter=blob:none", APEX_REPO, str(path)], check=True)
+    have = subprocess.run(["git", "-C", str(path), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    if have.returncode != 0:  # an earlier clone, made for another pinned commit
+        subprocess.run(["git", "-C", str(path), "fetch", "--quiet", "origin", commit], check=True)
     subprocess.run(["git", "-C", str(path), "checkout", "--quiet", commit], check=True)
     return path, commit
 

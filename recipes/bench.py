@@ -70,7 +70,7 @@ TINY = {
     "gpt2": dict(overrides="n_layer=2,n_embd=64,n_head=2", shape=["--block_size", "64"], batch=8, eval_samples=8),
     "llama": dict(
         overrides="hidden_size=64,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2,"
-        "intermediate_size=128,max_position_embeddings=128",
+        "intermediate_size=128,max_position_embeddings=128,head_dim=32",
         shape=["--block_size", "64"],
         batch=8,
         eval_samples=8,
@@ -91,7 +91,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed warm-up steps (default 10 on CUDA, 2 on CPU)"
     )
-    parser.add_argument("--batch", action="append", default=[], metavar="MODEL=N", help="batch size, e.g. bert=64")
+    parser.add_argument(
+        "--batch", action="append", type=model_batch, default=[], metavar="MODEL=N", help="batch size, e.g. bert=64"
+    )
     parser.add_argument(
         "--data_dir",
         default=str(DEFAULT_DATA) if DEFAULT_DATA.is_dir() else None,
@@ -117,11 +119,18 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def model_batch(text: str) -> tuple[str, int]:
+    name, _, size = text.partition("=")
+    if name not in MODELS or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL=N with MODEL in {', '.join(MODELS)} and N >= 1")
+    return name, int(size)
+
+
 def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
     spec, tiny = MODELS[name], TINY[name]
     data = Path(opts.data_dir) if opts.data_dir else None
     tok_dir = data / "tokenizers" / spec["tokenizer"] if data else None
-    batch = dict(b.split("=") for b in opts.batch).get(name, tiny["batch"] if opts.tiny else spec["batch"])
+    batch = dict(opts.batch).get(name, tiny["batch"] if opts.tiny else spec["batch"])
     args = [
         "--task",
         spec["task"],
@@ -174,6 +183,13 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
     return args
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run(cmd: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
@@ -213,18 +229,25 @@ def main(argv=None) -> int:
         metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{name}-{stage}-plain.json"
         want_plain = not opts.no_plain_loop and opts.nproc == 1
         t0 = time.time()
-        if opts.skip_existing and metrics_json.is_file() and (plain_json.is_file() or not want_plain):
+        # What defines the run: a kept run is reused only when it was made with these very settings.
+        settings = {"nproc": opts.nproc, "finetune": finetune_args(name, stage, opts, run_dir), "plain": want_plain}
+        settings_json = run_dir / "bench_settings.json"
+        done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
+        if opts.skip_existing and done and _read_json(settings_json) == settings:
             print(f"  {name:5s} {stage:14s} kept from {run_dir}", flush=True)
         else:
+            if opts.skip_existing and done:
+                print(f"  {name:5s} {stage:14s} kept run has other settings: running it again", flush=True)
+            settings_json.unlink(missing_ok=True)
             launcher = [sys.executable]
             if opts.nproc > 1:
                 launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
-            finetune = [*launcher, str(HERE / "finetune.py"), *finetune_args(name, stage, opts, run_dir)]
-            run(finetune, out_dir / f"{name}-{stage}.log")
+            run([*launcher, str(HERE / "finetune.py"), *settings["finetune"]], out_dir / f"{name}-{stage}.log")
             if want_plain:
                 plain_args = finetune_args(name, stage, opts, run_dir / "plain")
                 worker = [sys.executable, str(HERE / "bench.py"), "--plain-loop-worker", str(plain_json), *plain_args]
                 run(worker, out_dir / f"{name}-{stage}-plain.log")
+            settings_json.write_text(json.dumps(settings, indent=1))
         plain = json.loads(plain_json.read_text()) if want_plain else None
         row = row_from_metrics(name, json.loads(metrics_json.read_text()), plain)
         rows.append(row)

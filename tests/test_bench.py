@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_apex.bench import add_ratios, format_table, loss_curve_agreement, row_from_metrics
+from hf_apex.metrics import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +108,9 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
             "peak_memory_allocated_gib",
         ):
             assert key in r
-    # A second call with --skip_existing reuses every run and rebuilds the same table.
-    again = run_bench(generated_data, word_tokenizer, tmp_path, "--steps 2 --warmup 1 --skip_existing")
+    # A second call with --skip_existing reuses every run and rebuilds the same table...
+    flags = "--steps 2 --warmup 1 --batch bert=4 --batch gpt2=4 --skip_existing"
+    again = run_bench(generated_data, word_tokenizer, tmp_path, flags)
     assert again.stdout.count("kept from") == 8
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == rows
     table = (tmp_path / "results.md").read_text()
@@ -118,6 +120,12 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
         assert (tmp_path / "results.png").stat().st_size > 10_000
     else:
         assert "no chart" in out.stdout
+    # ...but not a run made with other settings (here the default batch of 8 instead of 4).
+    flags = "--models gpt2 --stages baseline --steps 2 --warmup 1 --skip_existing --no_plain_loop"
+    other = run_bench(generated_data, word_tokenizer, tmp_path, flags)
+    assert "kept from" not in other.stdout and "other settings: running it again" in other.stdout
+    run = json.loads((tmp_path / "runs" / "gpt2-baseline" / METRICS_FILENAME).read_text())["run"]
+    assert run["per_device_train_batch_size"] == 8
 
 
 def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_path):  # noqa: F811
