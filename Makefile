@@ -1,6 +1,6 @@
 # hf_apex developer commands. `make help` lists them.
 PYTHON ?= python3
-# torch for machines that have none yet: this pin is the CPU build CI installs. A CUDA machine should
+# torch for machines that have none yet: the version CI pins (its machines take a CPU build). A CUDA machine should
 # bring its own torch (the one apex is built against).
 TORCH_VERSION ?= 2.13.0
 # OFFLINE=1: install hf_apex without resolving dependencies (machines with no package index).
@@ -27,7 +27,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 .PHONY: help install apex doctor bench test test-gpu lint style clean
 
 help:
-	@echo "make install     install hf_apex (+dev and plot extras); installs CPU torch $(TORCH_VERSION) only if torch is missing"
+	@echo "make install     install hf_apex (+dev and plot extras); installs torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder for BERT, GPT-2 and Llama: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"

@@ -317,7 +317,7 @@ class StageMetricsCallback(TrainerCallback):
             "step_time_ms": percentiles([s.ms for s in timed]),
             **self._rates(timed),
             "peak_tflops": peak,
-            "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N: matmul params (no position or untied input "
+            "mfu_formula": "(6N + 12*L*d*T) * positions/s / peak; N: params without position or untied input "
             "embeddings); padding counted",
             **self._memory_across_ranks(),
             "skipped_steps": sum(s.skipped for s in steps),

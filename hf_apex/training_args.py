@@ -42,9 +42,9 @@ class ApexTrainingArguments(TrainingArguments):
             Raise instead of falling back to the torch op when an apex kernel is missing or cannot run.
         autotune (`bool`, *optional*, defaults to `False`):
             For each apex component switched on, time apex against torch on this GPU (optimizer over the real
-            parameter shapes; each norm type at its hidden size, token count and dtype), within a few seconds,
-            and use the faster; a backend that fails the parity check is never chosen. Decisions are cached in
-            `autotune_cache` and written to the logs and the metrics JSON.
+            parameter shapes; each norm type at its hidden size, token count and dtype), about a second of
+            timing per decision, and use the faster; a backend that fails the parity check is never chosen.
+            Decisions are cached in `autotune_cache` and written to the logs and the metrics JSON.
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
             Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.
 
@@ -70,7 +70,11 @@ class ApexTrainingArguments(TrainingArguments):
 
     stage: str | None = field(
         default=None,
-        metadata={"help": "Stage of the ladder; sets the apex and precision switches.", "choices": list(STAGES)},
+        metadata={
+            "help": "Stage of the ladder; sets the apex and precision switches. "
+            + "; ".join(f"{name}: {config.summary}" for name, config in STAGES.items()),
+            "choices": list(STAGES),
+        },
     )
     amp_dtype: str = field(
         default="bf16",

@@ -5,14 +5,17 @@ fixed blocks, perplexity on the validation split). Every `TrainingArguments` / `
 works; `python recipes/finetune.py --help` lists them all.
 
     # Online: models and datasets from the Hugging Face Hub
-    python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full
-    python recipes/finetune.py --task wikitext2 --model_name_or_path gpt2 --stage fused_full
+    python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full \
+        --output_dir out/sst2
+    python recipes/finetune.py --task wikitext2 --model_name_or_path gpt2 --stage fused_full --output_dir out/wt2
 
     # Offline (HF_HUB_OFFLINE=1): local data files, a local tokenizer, and a config to train from scratch
     python recipes/finetune.py --task sst2 --data_dir ../shared/data --model_type bert \
-        --tokenizer_name ../shared/data/tokenizers/bert-base-uncased --stage fused_full
+        --tokenizer_name ../shared/data/tokenizers/bert-base-uncased --stage fused_full --output_dir out/sst2
     python recipes/finetune.py --task wikitext2 --data_dir ../shared/data --model_type gpt2 \
-        --tokenizer_name ../shared/data/tokenizers/gpt2 --block_size 1024 --stage fused_full
+        --tokenizer_name ../shared/data/tokenizers/gpt2 --block_size 1024 --stage fused_full --output_dir out/wt2
+
+    Without a GPU add --use_cpu (the mixed-precision stages then autocast to BF16 on the CPU).
 
 `--data_dir` holds `sst2/{train,dev}.tsv` (columns `sentence`, `label`) and/or
 `wikitext-2/{train,valid}.txt`. The eval accuracy or perplexity is written into
