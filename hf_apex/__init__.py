@@ -16,20 +16,18 @@ _EXPORTS = {
     "ApexTrainingArguments": "training_args",
     "STAGES": "stages",
     "StageConfig": "stages",
-    "StageMetricsCallback": "callbacks",
-    "RewireReport": "surgery",
-    "rewire": "surgery",
-    "unrewire": "surgery",
-    "KERNEL_COUNTER": "counters",
+    "StageMetricsCallback": "measure.callback",
+    "RewireReport": "kernels.surgery",
+    "rewire": "kernels.surgery",
+    "unrewire": "kernels.surgery",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:
-    from .callbacks import StageMetricsCallback
-    from .counters import KERNEL_COUNTER
+    from .kernels.surgery import RewireReport, rewire, unrewire
+    from .measure.callback import StageMetricsCallback
     from .stages import STAGES, StageConfig
-    from .surgery import RewireReport, rewire, unrewire
     from .trainer import ApexTrainer
     from .training_args import ApexTrainingArguments
 

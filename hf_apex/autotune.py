@@ -1,15 +1,19 @@
 """``auto``: time apex against torch for each component on this GPU, and use the faster.
 
-A decision is made once per component and key (optimizer: the parameter shapes and dtypes; norms: the norm
-class, hidden size, token bucket, input dtype and autocast dtype), within a bounded time budget, and cached on
-disk keyed by GPU and versions as well, so the next run starts with the answer. torch's op is the reference:
-a backend whose results differ from it beyond the tolerance of the dtype is never chosen. Every decision
-(times, parity, whether it came from the cache) is logged and lands in the run's metrics JSON.
+An :class:`Autotuner` belongs to one ``ApexTrainer``. It decides once per run for each component: the optimizer
+(over the model's parameter shapes) and each norm type (class, hidden size, input dtype, autocast dtype; timed on
+its first training call at that call's token count). The disk cache (:class:`DecisionCache`) is consulted before
+anything is measured; its key adds the GPU and software versions and, for norms, the token count rounded up to a
+power of two, so the next run with the same setup starts with the answer. torch's op is the reference: a backend
+whose results differ from it beyond the tolerance of the dtype is never chosen. Every decision (times, parity,
+whether it came from the cache or a checkpoint) is logged and lands in the run's metrics JSON, and
+:meth:`Autotuner.state` goes into each checkpoint so that a resumed run keeps the optimizer whose state it loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -20,9 +24,15 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
+from .kernels.availability import environment
+from .kernels.norms import stock_class
+from .kernels.trace import APEX, TORCH
+
 logger = logging.getLogger("hf_apex")
 
-APEX, TORCH = "apex", "torch"
+AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
+STATE_FILE = "hf_apex_autotune.json"  # in each checkpoint: the decisions a resumed run must keep
 
 
 def default_cache_path() -> Path:
@@ -31,16 +41,8 @@ def default_cache_path() -> Path:
 
 def environment_key() -> dict:
     """What makes a timing valid elsewhere: the GPU and the software that runs the kernels."""
-    from .metrics import _version, apex_build_info
-
-    cuda = torch.cuda.is_available()
-    return {
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "apex": str(apex_build_info().get("commit") or _version("apex")),
-        "hf_apex": _version("hf_apex"),
-    }
+    env = environment()
+    return {k: env[k] for k in ("gpu", "torch", "cuda", "hf_apex")} | {"apex": env["apex"].get("commit")}
 
 
 def cuda_timer(fn: Callable[[], None], budget_s: float, max_reps: int = 50) -> float:
@@ -59,19 +61,35 @@ def cuda_timer(fn: Callable[[], None], budget_s: float, max_reps: int = 50) -> f
     return sorted(times)[len(times) // 2]
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64 = ref.detach().double()
+    return float((got.detach().double() - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative-error bound for parity: fp32 rounding vs bf16/fp16's 8/11-bit mantissas."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _named(fn: Callable, backend: str) -> Callable:
+    call = functools.partial(fn)
+    call.backend = backend  # which candidate a timer is timing
+    return call
+
+
 @dataclasses.dataclass
 class Decision:
     component: str
     key: dict
-    backend: str
-    times_ms: dict[str, float]
-    parity_ok: dict[str, bool]
+    backend: str | None  # None: nothing was decided (reason says why)
+    times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    parity_ok: dict[str, bool] = dataclasses.field(default_factory=dict)
     cached: bool = False
     reason: str = ""
 
 
 class DecisionCache:
-    """A JSON file of decisions; a corrupt or unreadable file is ignored with a warning, never a crash."""
+    """A JSON file of decisions; a corrupt or unusable file is ignored with a warning, never a crash."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path else default_cache_path()
@@ -84,7 +102,9 @@ class DecisionCache:
     def _load(self) -> dict[str, dict]:
         if self._entries is None:
             self._entries = {}
-            if self.path.is_file():
+            if self.path.is_dir():
+                logger.warning("hf_apex: autotune cache %s is a directory; decisions will not be cached.", self.path)
+            elif self.path.is_file():
                 try:
                     data = json.loads(self.path.read_text())
                     if not isinstance(data, dict):
@@ -102,7 +122,7 @@ class DecisionCache:
     def put(self, parts: dict, value: dict) -> None:
         entries = self._load()
         entries[self.key(parts)] = {**value, "key": parts}
-        if _rank() != 0:  # one writer per job; every rank keeps the entry in memory
+        if distributed.rank() != 0 or self.path.is_dir():  # one writer per job; every rank keeps it in memory
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,63 +134,49 @@ class DecisionCache:
 
 
 class Autotuner:
-    """Chooses between backends by timing them; decisions are cached on disk and kept for the metrics."""
+    """Chooses between backends by timing them; one per trainer, decisions reported per run.
 
-    def __init__(self, cache: DecisionCache | None = None, timer=cuda_timer, budget_s: float = 1.0):
+    Args:
+        cache (`DecisionCache`, *optional*): the disk cache (default file: `$HF_APEX_CACHE` or
+            `~/.cache/hf_apex/autotune.json`).
+        timer (`callable`, *optional*): `timer(fn, budget_s) -> ms` (`fn.backend` names the candidate); CUDA events
+            by default.
+        budget_s (`float`, *optional*, defaults to 1.0): timing budget per decision, shared by its candidates.
+    """
+
+    def __init__(self, cache: DecisionCache | None = None, timer=None, budget_s: float = 1.0):
         self.cache = cache or DecisionCache()
-        self.timer = timer
+        self.timer = timer or cuda_timer
         self.budget_s = budget_s
-        self.decisions: list[Decision] = []  # every decision of this process, in order
-        # In-process answers for hot paths (a swapped norm asks on every forward): key -> backend. Emptied by
-        # begin_run(), so each training run takes its decisions again (from the disk cache, cheaply) and reports them.
-        self.memo: dict = {}
-        self._run_start = 0
+        self.begin_run()
 
-    def choose(
-        self,
-        component: str,
-        key: dict,
-        candidates: dict[str, Callable[[], None]],
-        parity: Callable[[str], bool],
-        same_on_all_ranks: bool = False,
-    ) -> Decision:
-        """Pick among ``candidates`` (name -> one timed call; TORCH is the reference and always eligible).
+    def begin_run(self, pinned: dict[str, str] | None = None) -> None:
+        """A training run starts: it reports only its own decisions; ``pinned`` (from a checkpoint) are kept."""
+        self.decisions: list[Decision] = []
+        self.memo: dict[str, str] = dict(pinned or {})  # decision name -> backend, for this run
+        self._pinned = set(self.memo)
 
-        ``parity(name)`` says whether that backend matches torch; it is only asked of non-reference backends.
-        ``same_on_all_ranks``: under torch.distributed, rank 0 decides and the others take its decision (a
-        collective: every rank must call it). Needed where ranks must agree, e.g. the optimizer under DDP, whose
-        replicas would drift apart if their updates rounded differently.
+    def state(self) -> dict[str, str]:
+        """The decisions a resumed run must keep (what :meth:`begin_run` takes back as ``pinned``)."""
+        return dict(self.memo)
+
+    def report(self) -> list[dict]:
+        return [dataclasses.asdict(d) for d in self.decisions]
+
+    def choose(self, component: str, key: dict, prepare: Callable[[], tuple[dict, Callable]], same_on_all_ranks=False):
+        """Pick the faster backend for ``component`` at ``key``.
+
+        ``prepare()`` is called only when the cache has no answer; it returns ``(candidates, parity)``:
+        candidates map a backend name to one timed call (TORCH is the reference and always eligible), and
+        ``parity(name)`` says whether a non-reference backend matches torch. With ``same_on_all_ranks`` rank 0
+        decides and the other ranks take its decision (a collective: every rank must call it), as the optimizer
+        needs under DDP, where replicas that round their updates differently would drift apart.
         """
-        if same_on_all_ranks and _world() > 1:
-            mine = [self._decide(component, key, candidates, parity) if _rank() == 0 else None]
-            torch.distributed.broadcast_object_list(mine, src=0)
-            decision = mine[0]
-            if _rank() != 0:
-                self.decisions.append(decision)
-            return decision
-        return self._decide(component, key, candidates, parity)
-
-    def _decide(self, component, key, candidates, parity) -> Decision:
-        parts = {"component": component, **environment_key(), **key}
-        hit = self.cache.get(parts)
-        if hit is not None and hit.get("backend") in candidates:
-            decision = Decision(
-                component,
-                key,
-                hit["backend"],
-                hit.get("times_ms", {}),
-                hit.get("parity_ok", {}),
-                cached=True,
-                reason="cache",
-            )
-        else:
-            parity_ok = {name: name == TORCH or bool(parity(name)) for name in candidates}
-            eligible = [name for name in candidates if parity_ok[name]]
-            times = {name: self.timer(candidates[name], self.budget_s / len(eligible)) for name in eligible}
-            backend = min(times, key=times.get)
-            reason = "faster" if len(times) > 1 else "only backend that passed parity"
-            decision = Decision(component, key, backend, times, parity_ok, reason=reason)
-            self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
+        decision = None
+        if not same_on_all_ranks or distributed.rank() == 0:
+            decision = self._decide(component, key, prepare)
+        if same_on_all_ranks:
+            decision = distributed.broadcast_object(decision)
         self.decisions.append(decision)
         logger.info(
             "hf_apex autotune: %s %s -> %s (%s; ms %s; parity %s)",
@@ -183,53 +189,126 @@ class Autotuner:
         )
         return decision
 
-    def begin_run(self) -> None:
-        """A training run starts: its report holds only the decisions taken from here on."""
-        self.memo.clear()
-        self._run_start = len(self.decisions)
+    def _decide(self, component: str, key: dict, prepare) -> Decision:
+        parts = {"component": component, **environment_key(), **key}
+        hit = self.cache.get(parts)
+        if hit is not None and hit.get("backend") in (APEX, TORCH):
+            return Decision(
+                component, key, hit["backend"], hit.get("times_ms", {}), hit.get("parity_ok", {}), True, "cache"
+            )
+        candidates, parity = prepare()
+        parity_ok = {name: name == TORCH or bool(parity(name)) for name in candidates}
+        eligible = [name for name in candidates if parity_ok[name]]
+        times = {name: self.timer(_named(candidates[name], name), self.budget_s / len(eligible)) for name in eligible}
+        backend = min(times, key=times.get)
+        self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
+        return Decision(component, key, backend, times, parity_ok, reason="faster" if len(times) > 1 else "parity")
 
-    def report(self) -> list[dict]:
-        """The decisions of the current run (all of them when begin_run was never called)."""
-        return [dataclasses.asdict(d) for d in self.decisions[self._run_start :]]
+    def _pinned_decision(self, name: str, component: str, key: dict) -> str | None:
+        backend = self.memo.get(name)
+        if backend is not None and name in self._pinned:
+            self._pinned.discard(name)  # reported once, at its first use in the run
+            self.decisions.append(Decision(component, key, backend, cached=True, reason="resumed checkpoint"))
+        return backend
 
+    # -- the optimizer ---------------------------------------------------------------------------------------
+    def choose_optimizer(self, model: torch.nn.Module, kwargs: dict, blocked: str | None) -> str:
+        """apex FusedAdam or torch AdamW(fused=True) for ``model``, timed on its real parameter shapes.
 
-_AUTOTUNER: Autotuner | None = None
+        ``blocked`` (why apex cannot run here) skips the timing. Only the AdamW hyper-parameters both implement
+        are compared; other apex options keep apex. The cache is consulted before any parameter is copied.
+        """
+        pinned = self._pinned_decision("optimizer", "optimizer", {})
+        if pinned is not None:
+            return pinned
+        why_not = blocked and f"not timed: apex cannot run here ({blocked})"
+        if set(kwargs) - {"lr", "betas", "eps", "weight_decay"}:
+            why_not = f"not timed: apex-only options {sorted(set(kwargs) - {'lr', 'betas', 'eps', 'weight_decay'})}"
+        if why_not:
+            self.decisions.append(Decision("optimizer", {}, None, reason=why_not))
+            return APEX
+        params, total = [], 0
+        for p in model.parameters():
+            if p.requires_grad and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
+                params.append(p)
+                total += p.numel() * p.element_size()
+        shapes = sorted((tuple(p.shape), str(p.dtype)) for p in params)
+        key = {
+            "tensors": len(params),
+            "numel": sum(p.numel() for p in params),
+            "shapes": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16],
+        }
 
+        def prepare():
+            from .kernels.optim import apex_optimizer_class
 
-def configure_autotuner(cache_path: str | os.PathLike | None = None) -> Autotuner:
-    """Start the process-wide autotuner with this cache file (a trainer with ``autotune`` calls this)."""
-    global _AUTOTUNER
-    wanted = Path(cache_path) if cache_path else default_cache_path()
-    if _AUTOTUNER is None or _AUTOTUNER.cache.path != wanted:
-        _AUTOTUNER = Autotuner(DecisionCache(wanted))
-    return _AUTOTUNER
+            common = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"], "weight_decay": 0.01}
+            with torch.random.fork_rng(devices=[params[0].device] if params and params[0].is_cuda else []):
+                grads = [torch.randn_like(p) * 1e-3 for p in params]  # without moving the training RNG
 
+            def build(name):
+                copies = [p.detach().clone() for p in params]
+                for c, g in zip(copies, grads):
+                    c.grad = g
+                cls = apex_optimizer_class("fused_adam") if name == APEX else torch.optim.AdamW
+                return copies, cls(copies, **common) if name == APEX else cls(copies, fused=True, **common)
 
-def get_autotuner() -> Autotuner:
-    """The process-wide autotuner (with the default cache when none was configured)."""
-    return _AUTOTUNER or configure_autotuner()
+            def parity(name):
+                (mine, opt), (ref, ref_opt) = build(name), build(TORCH)
+                for _ in range(3):
+                    opt.step()
+                    ref_opt.step()
+                return all(rel_err(a, b) < tolerance(torch.float32) for a, b in zip(mine, ref))
 
+            return {name: build(name)[1].step for name in (APEX, TORCH)}, parity
 
-def autotune_report() -> list[dict]:
-    """The decisions of the current run (empty when autotune never ran)."""
-    return _AUTOTUNER.report() if _AUTOTUNER is not None else []
+        backend = self.choose("optimizer", key, prepare, same_on_all_ranks=True).backend
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give back the timing copies of the parameters
+        self.memo["optimizer"] = backend
+        return backend
 
+    # -- the norms -------------------------------------------------------------------------------------------
+    def choose_norm(self, module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> str:
+        """apex or torch for this norm type, hidden size and dtype: timed once per run, on the first training
+        call; evaluation before any training call runs apex without deciding."""
+        key = {
+            "norm": stock_class(module).__name__,
+            "hidden": x.shape[-1],
+            "dtype": str(x.dtype),
+            "autocast": str(amp),
+        }
+        name = "norm:" + json.dumps(key, sort_keys=True)
+        pinned = self._pinned_decision(name, module.hf_apex_component, key)
+        if pinned is not None:
+            return pinned
+        if not module.training:
+            return APEX
+        tokens = x.numel() // x.shape[-1]
+        params = [p for p in module.parameters() if p.requires_grad]
+        forwards = {APEX: module.hf_apex_kernel(amp), TORCH: stock_class(module).forward}
 
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        def prepare():
+            # Timing must not move the training RNG (dropout), and must work when the caller runs under no_grad
+            # (e.g. the first pass of activation checkpointing).
+            probe = x.detach().clone().requires_grad_(True)
+            with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+                grad_out = torch.randn_like(x, dtype=amp or x.dtype)
 
+            def fwd_bwd(backend):
+                with torch.enable_grad():
+                    y = forwards[backend](module, probe)
+                    # autograd.grad returns gradients without accumulating into .grad: training state is untouched.
+                    return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            def parity(backend):
+                (y, grads), (ref_y, ref_grads) = fwd_bwd(backend), fwd_bwd(TORCH)
+                tol = tolerance(amp or x.dtype)
+                return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
 
+            return {backend: (lambda backend=backend: fwd_bwd(backend)) for backend in forwards}, parity
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    ref64 = ref.detach().double()
-    return float((got.detach().double() - ref64).norm() / ref64.norm().clamp_min(1e-30))
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Relative-error bound for parity: fp32 rounding vs bf16/fp16's 8/11-bit mantissas."""
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+        bucket = 1 << max(tokens - 1, 0).bit_length()
+        backend = self.choose(module.hf_apex_component, key | {"tokens": bucket}, prepare).backend
+        self.memo[name] = backend
+        return backend

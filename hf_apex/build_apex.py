@@ -6,21 +6,33 @@ Checks before compiling, each with a message that says what to do:
 Then ``APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation --no-deps <src>`` with
 ``APEX_PARALLEL_BUILD`` jobs, and records the build (commit, arch list, versions) next to the installed
 package in ``apex/_hf_apex_build.json`` so every metrics file can name the apex commit.
+
+The commit is recorded only when it is known to be the one built: the source is the root of a git checkout
+(its HEAD, marked when the tree has local changes), or its files hash to the ``git archive`` export of a commit
+listed in :data:`KNOWN_EXPORTS`. A plain source tree inside some other git checkout (``.deps/apex`` in this
+repository) is not mistaken for that checkout. Otherwise the record says ``"unknown"`` next to the commit you
+declared.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .kernels.availability import BUILD_RECORD, portable_path
+
 APEX_REPO = "https://github.com/NVIDIA/apex"
 DEFAULT_COMMIT = "6424da3b4faa6c8f062da4a48c424fff3f02d42d"
+# commit -> source_tree_hash() of `git archive <commit>` (git's tree hash; submodules, exported empty, left out)
+KNOWN_EXPORTS = {DEFAULT_COMMIT: "f188ce295c7ec588f2e697ab106fa63f47c6bc89"}
 
 
 class BuildError(SystemExit):
@@ -63,16 +75,66 @@ def check_cuda_versions() -> tuple[str, str]:
     return nvcc, torch_cuda
 
 
-def source_dir(src: str | None, commit: str, workdir: Path) -> tuple[Path, str]:
-    """The apex checkout to build and the commit it holds."""
+def _object_id(kind: bytes, body: bytes) -> bytes:
+    return hashlib.sha1(kind + b" %d\0" % len(body) + body).digest()
+
+
+def _build_output(child: Path, top: bool) -> bool:
+    """Folders a build leaves in an apex source tree (none of them is tracked by apex's git)."""
+    return (
+        child.name in (".git", "__pycache__")
+        or top
+        and (child.name in ("build", "dist") or child.suffix == ".egg-info")
+    )
+
+
+def source_tree_hash(path: Path, top: bool = True) -> str | None:
+    """git's tree hash of the files under ``path``, computed without git (build outputs, ``.git`` and empty
+    folders left out)."""
+    entries = []
+    for child in path.iterdir():
+        if _build_output(child, top):
+            continue
+        mode = child.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            entries.append((child.name, b"120000", _object_id(b"blob", os.readlink(child).encode())))
+        elif stat.S_ISDIR(mode):
+            sub = source_tree_hash(child, top=False)
+            if sub is not None:
+                entries.append((child.name + "/", b"40000", bytes.fromhex(sub)))
+        else:
+            kind = b"100755" if mode & stat.S_IXUSR else b"100644"
+            entries.append((child.name, kind, _object_id(b"blob", child.read_bytes())))
+    if not entries:
+        return None
+    entries.sort(key=lambda e: e[0].encode())  # git orders a folder as if its name ended in "/"
+    body = b"".join(kind + b" " + name.rstrip("/").encode() + b"\0" + oid for name, kind, oid in entries)
+    return _object_id(b"tree", body).hex()
+
+
+def identify_commit(path: Path, declared: str) -> dict:
+    """What commit ``path`` holds, and how that is known; ``"unknown"`` when it cannot be shown."""
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True)
+
+    top = git("rev-parse", "--show-toplevel")
+    if top.returncode == 0 and Path(top.stdout.strip()).resolve() == path.resolve():
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+        head = git("rev-parse", "HEAD").stdout.strip()
+        return {"commit": head, "commit_source": "git checkout" + (" with local changes" if dirty else "")}
+    if KNOWN_EXPORTS.get(declared) == source_tree_hash(path):
+        return {"commit": declared, "commit_source": "source files match the git archive export of this commit"}
+    return {"commit": "unknown", "declared_commit": declared, "commit_source": "not a git checkout; files unverified"}
+
+
+def source_dir(src: str | None, commit: str, workdir: Path) -> tuple[Path, dict]:
+    """The apex source to build and what is known of its commit."""
     if src:
         path = Path(src).resolve()
         if not (path / "setup.py").is_file():
             raise BuildError(f"APEX_SRC={src} has no setup.py; point it at an apex checkout.")
-        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True)
-        if head.returncode == 0:
-            return path, head.stdout.strip()
-        return path, f"{commit} (declared: the source is not a git checkout)"
+        return path, identify_commit(path, commit)
     path = workdir / "apex"
     if not (path / ".git").is_dir():
         subprocess.run(["git", "clone", "--filter=blob:none", APEX_REPO, str(path)], check=True)
@@ -80,7 +142,7 @@ def source_dir(src: str | None, commit: str, workdir: Path) -> tuple[Path, str]:
     if have.returncode != 0:  # an earlier clone, made for another pinned commit
         subprocess.run(["git", "-C", str(path), "fetch", "--quiet", "origin", commit], check=True)
     subprocess.run(["git", "-C", str(path), "checkout", "--quiet", commit], check=True)
-    return path, commit
+    return path, identify_commit(path, commit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
 
     nvcc, torch_cuda = check_cuda_versions()
     archs = arch_list()
-    src, commit = source_dir(args.src, args.commit, Path(args.workdir))
+    src, identity = source_dir(args.src, args.commit, Path(args.workdir))
     env = dict(os.environ, APEX_CPP_EXT="1", APEX_CUDA_EXT="1", TORCH_CUDA_ARCH_LIST=archs)
     env["APEX_PARALLEL_BUILD"] = str(args.jobs)
     env.setdefault("MAX_JOBS", str(args.jobs))
-    print(f"make apex: building {src} ({commit}) for TORCH_CUDA_ARCH_LIST={archs}, CUDA {nvcc}, {args.jobs} jobs")
+    print(
+        f"make apex: building {portable_path(src)} (commit {identity['commit']}: {identity['commit_source']}) for "
+        f"TORCH_CUDA_ARCH_LIST={archs}, CUDA {nvcc}, {args.jobs} jobs"
+    )
     started = time.time()
     cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", str(src)]
     subprocess.run(cmd, env=env, check=True)
@@ -112,16 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout.strip()
     )
     record = {
-        "commit": commit,
-        "source": str(src),
+        **identity,
+        "source": portable_path(src),
         "torch_cuda_arch_list": archs,
         "nvcc": nvcc,
         "torch": torch.__version__,
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(seconds, 1),
     }
-    (location / "_hf_apex_build.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"make apex: built in {seconds:.0f} s; installed at {location}")
+    (location / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"make apex: built in {seconds:.0f} s; installed at {portable_path(location)}")
     return 0
 
 

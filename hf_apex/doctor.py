@@ -11,16 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .import_utils import (
-    APEX_BUILD_HINT,
-    apex_extension_error,
-    is_apex_available,
-    is_fused_adam_available,
-    is_fused_norm_available,
-)
-from .metrics import _version, apex_build_info
-
-EXTENSIONS = ("amp_C", "fused_layer_norm_cuda")
+from .kernels.availability import EXTENSIONS, blocker, environment, extension_error, fix_for, is_apex_available
 
 
 def nvcc_version() -> str | None:
@@ -44,24 +35,25 @@ def nvcc_version() -> str | None:
     return None
 
 
-def _backends(cuda: bool) -> dict[str, dict]:
-    def row(available: bool, what: str, missing: str) -> dict:
-        if not available:
-            return {"backend": "fallback", "why": missing}
-        if not cuda:
-            return {"backend": "fallback", "why": "no CUDA device: apex kernels need CUDA tensors"}
-        return {"backend": "apex", "why": what}
+BACKENDS = {
+    "fused_adam": ("apex FusedAdam (amp_C multi_tensor_adam)", "torch-op FusedAdamFallback"),
+    "fused_lamb": ("apex FusedLAMB (amp_C multi_tensor_lamb)", "unavailable (no fallback)"),
+    "layer_norm": ("apex fused_layer_norm_cuda", "torch F.layer_norm"),
+    "rms_norm": ("apex fused_layer_norm_cuda (RMS)", "stock HF RMSNorm forward"),
+}
 
-    adam = is_fused_adam_available()
-    norms = is_fused_norm_available()
-    no_amp = apex_extension_error("amp_C") or "apex not installed"
-    no_ln = apex_extension_error("fused_layer_norm_cuda") or "apex not installed"
-    return {
-        "fused_adam": row(adam, "apex FusedAdam (amp_C multi_tensor_adam)", f"torch-op FusedAdamFallback: {no_amp}"),
-        "fused_lamb": row(adam, "apex FusedLAMB (amp_C multi_tensor_lamb)", f"unavailable (no fallback): {no_amp}"),
-        "layer_norm": row(norms, "apex fused_layer_norm_cuda", f"torch F.layer_norm: {no_ln}"),
-        "rms_norm": row(norms, "apex fused_layer_norm_cuda (RMS)", f"stock HF RMSNorm forward: {no_ln}"),
-    }
+
+def _backends() -> dict[str, dict]:
+    """Which backend each component will use on this machine, and why."""
+    out = {}
+    for component, (apex, fallback) in BACKENDS.items():
+        reason = blocker(component)
+        out[component] = (
+            {"backend": "apex", "why": apex}
+            if reason is None
+            else {"backend": "fallback", "why": f"{fallback}: {reason}"}
+        )
+    return out
 
 
 def runtime_proof() -> dict:
@@ -72,9 +64,9 @@ def runtime_proof() -> dict:
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from .optim import _apex_classes
-    from .profiling import KernelProfile
-    from .surgery import rewire
+    from .kernels.optim import apex_optimizer_class
+    from .kernels.surgery import rewire
+    from .kernels.trace import KernelProfile
 
     torch.manual_seed(0)
     hidden = 1024
@@ -84,7 +76,7 @@ def runtime_proof() -> dict:
     with torch.no_grad():
         want = {k: reference[k].forward(m, x) for k, m in model.items()}
     rewire(model, strict_kernels=True)
-    optimizer = _apex_classes()["fused_adam"](model.parameters(), lr=1e-3)
+    optimizer = apex_optimizer_class("fused_adam")(model.parameters(), lr=1e-3)
     profile = KernelProfile().start()
     outs = {k: m(x) for k, m in model.items()}
     sum(o.float().pow(2).mean() for o in outs.values()).backward()
@@ -95,32 +87,26 @@ def runtime_proof() -> dict:
 
 
 def collect(proof: bool = True) -> dict:
-    cuda = torch.cuda.is_available()
+    env = environment()
     report: dict = {
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if cuda else None,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
+        **env,
         "nvcc": nvcc_version(),
-        "transformers": _version("transformers"),
-        "accelerate": _version("accelerate"),
-        "hf_apex": _version("hf_apex"),
-        "apex": apex_build_info(),
-        "extensions": {name: apex_extension_error(name) or "ok" for name in EXTENSIONS} if is_apex_available() else {},
-        "backends": _backends(cuda),
+        "extensions": {name: extension_error(name) or "ok" for name in sorted(set(EXTENSIONS.values()))}
+        if is_apex_available()
+        else {},
+        "backends": _backends(),
     }
     problems = [f"{c}: {b['why']}" for c, b in report["backends"].items() if b["backend"] != "apex"]
-    if proof and cuda and is_fused_adam_available() and is_fused_norm_available():
+    if proof and all(b["backend"] == "apex" for b in report["backends"].values()):
         try:
             report["runtime_proof"] = runtime_proof()
-            expected = {"layer_norm", "rms_norm", "fused_adam"}
-            missing = expected - set(report["runtime_proof"]["kernels"])
+            missing = {"layer_norm", "rms_norm", "fused_adam"} - set(report["runtime_proof"]["kernels"])
             problems += [f"{c}: no apex kernel executed under the profiler" for c in sorted(missing)]
         except Exception as exc:  # report, don't crash: the doctor is for broken setups
             report["runtime_proof"] = {"error": f"{type(exc).__name__}: {exc}"}
             problems.append(f"runtime proof failed: {exc}")
     elif proof:
-        report["runtime_proof"] = {"skipped": "needs CUDA and both apex extensions"}
+        report["runtime_proof"] = {"skipped": "needs a CUDA GPU and both apex extensions"}
     report["problems"] = problems
     report["ok"] = not problems
     return report
@@ -128,19 +114,20 @@ def collect(proof: bool = True) -> dict:
 
 def format_report(report: dict) -> str:
     apex = report["apex"]
+    gpu = report["gpu"]
     lines = [
         "hf-apex doctor",
-        f"  GPU            {report['gpu'] or 'none (CPU only)'}"
-        + (f" ({report['capability']})" if report["capability"] else ""),
-        f"  torch          {report['torch']} (CUDA {report['torch_cuda']}), nvcc {report['nvcc']}",
+        f"  GPU            {gpu} ({report['gpu_capability']})"
+        if gpu
+        else "  GPU            none: no CUDA GPU is visible, so no apex kernel can run here",
+        f"  torch          {report['torch']} (CUDA {report['cuda']}), nvcc {report['nvcc']}",
         f"  transformers   {report['transformers']}, accelerate {report['accelerate']}, hf_apex {report['hf_apex']}",
-        "  apex           "
-        + (
-            f"{apex.get('location')} (commit {apex.get('commit', 'unknown')})"
-            if apex.get("installed")
-            else "not installed"
-        ),
     ]
+    if apex.get("installed"):
+        source = apex.get("commit_source") or "no build record: not built by `make apex`"
+        lines.append(f"  apex           {apex.get('location')} (commit {apex['commit']}; {source})")
+    else:
+        lines.append("  apex           not installed")
     for name, status in report["extensions"].items():
         lines.append(f"    {name:<24}{status}")
     lines.append("  backends")
@@ -162,8 +149,7 @@ def format_report(report: dict) -> str:
     else:
         lines.append("  NOT OK:")
         lines += [f"    - {p}" for p in report["problems"]]
-        if not apex.get("installed") or any(v != "ok" for v in report["extensions"].values()):
-            lines.append(f"  {APEX_BUILD_HINT}")
+        lines += [f"  {hint}" for hint in dict.fromkeys(fix_for(p) for p in report["problems"])]
     return "\n".join(lines)
 
 

@@ -1,68 +1,81 @@
-"""The stage ladder: one registry row per stage.
+"""The stage ladder: one registry row per stage, whose fields are the arguments it sets.
 
-``STAGES`` is the single source of truth for the ``--stage`` choices, the benchmark order and the switches
-each stage sets on :class:`~hf_apex.ApexTrainingArguments`. The seed's four stages come first, each changing
-one thing relative to the previous one; the rungs after them go beyond the seed (torch's own fused kernels,
-``torch.compile``, and ``auto``, which times apex against torch on your GPU). Every stage keeps the same
-hyper-parameters and the same maths; only the implementation changes — except that under autocast apex's fused
-norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
+``STAGES`` is the single source of truth for the ``--stage`` choices, the benchmark order and the switches each
+stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`` is an
+:class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
+four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
+the seed (torch's own fused kernels, ``torch.compile``, and ``auto``, which times apex against torch on your GPU).
+Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
+under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+
+APEX_OPTIMIZERS = ("none", "fused_adam", "fused_lamb")
 
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
-    """What one stage switches on.
+    """What one stage sets. Each field after ``summary`` is the `ApexTrainingArguments` field of that name.
 
     Attributes:
         name: registry key, e.g. ``"fused_adam"``.
         summary: one line for tables and ``--help``.
-        optimizer: ``"adamw_torch"`` (torch AdamW, foreach), ``"adamw_torch_fused"`` (torch AdamW, fused=True)
-            or ``"fused_adam"`` (apex FusedAdam, AdamW mode).
-        fused_norms: swap LayerNorm/RMSNorm for apex FusedLayerNorm/FusedRMSNorm.
-        precision: ``"fp32"`` (strict: TF32 off) or ``"amp"`` (torch.amp autocast, BF16 unless FP16 is asked).
-        compile: ``torch.compile`` the model (norms stay torch ops inside the compiled graph).
-        autotune: time apex against torch per component on this GPU and use the faster (see ``hf_apex.autotune``).
+        optim: HF's ``optim``: ``"adamw_torch"`` (foreach) or ``"adamw_torch_fused"``; ignored where
+            ``apex_optimizer`` is set.
+        apex_optimizer: ``"fused_adam"`` (apex FusedAdam, AdamW mode) or ``"none"``.
+        apex_fused_norms: swap LayerNorm/RMSNorm for apex's fused norms.
+        bf16: torch.amp autocast (BF16; FP16 with a GradScaler when ``amp_dtype="fp16"``); FP32 otherwise.
+        torch_compile: ``torch.compile`` the model.
+        autotune: time apex against torch per component on this GPU and use the faster.
+        tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
     """
 
     name: str
     summary: str
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "fused_adam"]
-    fused_norms: bool
-    precision: Literal["fp32", "amp"]
-    compile: bool = False
+    optim: str = "adamw_torch"
+    apex_optimizer: str = "none"
+    apex_fused_norms: bool = False
+    bf16: bool = False
+    torch_compile: bool = False
     autotune: bool = False
+    tf32: bool = False
+
+    def settings(self) -> dict:
+        """The arguments this stage sets, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]}
 
 
 SEED_STAGES = ("baseline", "fused_adam", "fused_adam_ln", "fused_full")
+_APEX_ADAM = {"apex_optimizer": "fused_adam"}
+_TORCH_FUSED = {"optim": "adamw_torch_fused", "bf16": True}
 
 STAGES: dict[str, StageConfig] = {
     s.name: s
     for s in (
-        StageConfig("baseline", "torch AdamW (foreach) + stock norms + strict FP32", "adamw_torch", False, "fp32"),
-        StageConfig("fused_adam", "apex FusedAdam (AdamW mode) + FP32", "fused_adam", False, "fp32"),
-        StageConfig("fused_adam_ln", "+ apex fused LayerNorm/RMSNorm", "fused_adam", True, "fp32"),
-        StageConfig("fused_full", "+ torch.amp autocast (BF16, or FP16 + GradScaler)", "fused_adam", True, "amp"),
-        # Beyond the seed: what a user could run instead, and the fastest of both worlds.
-        StageConfig("torch_fused", "torch AdamW(fused=True) + stock norms + BF16", "adamw_torch_fused", False, "amp"),
+        StageConfig("baseline", "torch AdamW (foreach) + stock norms + strict FP32"),
+        StageConfig("fused_adam", "apex FusedAdam (AdamW mode) + FP32", **_APEX_ADAM),
+        StageConfig("fused_adam_ln", "+ apex fused LayerNorm/RMSNorm", **_APEX_ADAM, apex_fused_norms=True),
         StageConfig(
-            "compiled",
-            "torch fused AdamW + BF16 + torch.compile (native norms)",
-            "adamw_torch_fused",
-            False,
-            "amp",
-            compile=True,
+            "fused_full",
+            "+ torch.amp autocast (BF16, or FP16 + GradScaler)",
+            **_APEX_ADAM,
+            apex_fused_norms=True,
+            bf16=True,
+        ),
+        # Beyond the seed: what a user could run instead, and the fastest of both worlds.
+        StageConfig("torch_fused", "torch AdamW(fused=True) + stock norms + BF16", **_TORCH_FUSED),
+        StageConfig(
+            "compiled", "torch fused AdamW + BF16 + torch.compile (native norms)", **_TORCH_FUSED, torch_compile=True
         ),
         StageConfig(
             "auto",
             "BF16 + the faster of apex/torch per component, timed on this GPU",
-            "fused_adam",
-            True,
-            "amp",
+            **_APEX_ADAM,
+            apex_fused_norms=True,
+            bf16=True,
             autotune=True,
         ),
     )

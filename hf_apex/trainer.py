@@ -1,31 +1,40 @@
 """``ApexTrainer``: the stock ``Trainer`` with apex kernels plugged in and stage metrics recorded.
 
-Override points for subclasses (each calls ``super()`` and can be replaced alone):
+The trainer owns this run's state: its :class:`~hf_apex.autotune.Autotuner` (decisions, cache), the rewire
+report, and the stage-metrics callback; the swapped norms and the optimizer keep their own call tallies. Two
+trainers in one process share none of it.
+
+Override points (each calls ``super()`` and can be replaced alone):
 
 - ``rewire_model(model)``: the norm surgery applied to the model given to ``__init__`` and to every model
   ``model_init`` produces (the Trainer re-creates it in ``train()``), before any DDP or compile wrapping.
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
-- ``train()``: starts a new autotune run (``args.autotune``), so the metrics report this run's decisions.
-- ``log(logs, start_time)``: merges the stage metrics of the current logging window into every log.
 
-With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
+Thin overrides of ``Trainer`` methods, each calling ``super()``: ``train`` (starts a run: strict FP32 when
+``tf32=False``, fresh autotune decisions or those of the checkpoint resumed), ``call_model_init`` (rewires each
+new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
+(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current
+logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
+import torch
 from torch import nn
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .autotune import configure_autotuner
-from .callbacks import StageMetricsCallback
-from .import_utils import APEX_BUILD_HINT, is_fused_adam_available, is_fused_norm_available
-from .norms import is_swapped
-from .optim import apex_optimizer_cls_and_kwargs
-from .surgery import RewireReport, rewire, unrewire
+from .autotune import STATE_FILE, Autotuner, DecisionCache
+from .kernels.availability import blocker, fix_for
+from .kernels.norms import is_swapped
+from .kernels.optim import apex_optimizer_cls_and_kwargs
+from .kernels.surgery import RewireReport, reset_routes, rewire, unrewire
+from .measure.callback import StageMetricsCallback
 from .training_args import ApexTrainingArguments
 
 logger = logging.getLogger("hf_apex")
@@ -36,38 +45,49 @@ def _uses_fsdp(args) -> bool:
 
 
 def validate_apex_args(args: ApexTrainingArguments) -> None:
-    """Refuse, before training, combinations that cannot work (clear ``ValueError`` naming the fix)."""
+    """Refuse, before any data or model is loaded, combinations that cannot work: one ``ValueError`` naming
+    the real blocker and the fix. ``recipes/finetune.py`` calls it right after parsing; ``ApexTrainer`` too."""
     if args.apex_optimizer != "none" and _uses_fsdp(args):
         raise ValueError(
             f"apex_optimizer={args.apex_optimizer!r} cannot run under FSDP/FSDP2: apex's fused optimizers have no "
             "DTensor support. Use DDP, or keep FSDP with optim='adamw_torch_fused' (stage=None)."
         )
-    if args.apex_optimizer == "fused_lamb" and not is_fused_adam_available():
+    if args.apex_optimizer == "fused_lamb" and (
+        reason := blocker("fused_lamb", args.device if torch.cuda.is_available() else None)
+    ):
         raise ValueError(
-            f"apex_optimizer='fused_lamb' needs apex's amp_C kernels (no torch fallback). {APEX_BUILD_HINT}"
+            f"apex_optimizer='fused_lamb' has no torch fallback and cannot run here: {reason}. {fix_for(reason)}"
         )
-    if args.apex_strict_kernels:
-        if args.apex_fused_norms and args.torch_compile:
-            raise ValueError(
-                "apex_strict_kernels=True with apex_fused_norms and torch_compile: under torch.compile the swapped "
-                "norms run the torch op inside the graph, not apex's kernel. Drop one of the three."
-            )
-        missing = []
-        if args.apex_optimizer != "none" and not is_fused_adam_available():
-            missing.append("amp_C (FusedAdam/FusedLAMB)")
-        if args.apex_fused_norms and not is_fused_norm_available():
-            missing.append("fused_layer_norm_cuda (fused norms)")
-        if missing:
-            raise ValueError(
-                f"apex_strict_kernels=True but these apex kernels are missing: {', '.join(missing)}. {APEX_BUILD_HINT}"
-            )
-        if args.device.type != "cuda" and (args.apex_optimizer != "none" or args.apex_fused_norms):
-            raise ValueError(f"apex_strict_kernels=True needs a CUDA device; training would run on {args.device}.")
+    if not args.apex_strict_kernels:
+        return
+    if args.apex_fused_norms and args.torch_compile:
+        raise ValueError(
+            "apex_strict_kernels=True with apex_fused_norms and torch_compile: under torch.compile the swapped "
+            "norms run the torch op inside the graph, not apex's kernel. Drop one of the three."
+        )
+    wanted = ["fused_adam"] * (args.apex_optimizer != "none") + ["layer_norm"] * args.apex_fused_norms
+    device = args.device if torch.cuda.is_available() else None  # no GPU at all is the blocker to name
+    reasons = dict.fromkeys(reason for c in wanted if (reason := blocker(c, device)))
+    if reasons:
+        why = "; ".join(reasons)
+        raise ValueError(f"apex_strict_kernels=True but apex's kernels cannot run here: {why}. {fix_for(why)}")
+
+
+def _keep_fp32_strict() -> None:
+    # transformers' tf32=False sets only torch's global FP32 precision, which a backend-level TF32 switch made
+    # earlier in the process overrides (accelerate turns it on for torch.compile in FP32): set the backends too.
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    except RuntimeError:  # the process set them through torch's newer per-backend API: use that one
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
 class ApexTrainer(Trainer):
     """A ``Trainer`` that applies the apex switches of :class:`ApexTrainingArguments` (see module docstring)."""
 
+    autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     stage_metrics: StageMetricsCallback | None = None
 
@@ -77,31 +97,43 @@ class ApexTrainer(Trainer):
             return
         validate_apex_args(self.args)
         if self.args.autotune:
-            configure_autotuner(self.args.autotune_cache)
-        if self.model_init is None and self.rewire_report is None:
+            self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
+        if self.model_init is None:
             self.rewire_report = self.rewire_model(self.model)
         if self.args.apex_fused_norms and self.args.torch_compile:
             logger.warning(
-                "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph, "
-                "not apex's kernel (apex's own modules do the same). This is recorded in the metrics JSON."
+                "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
+                "(Inductor fuses it), not apex's kernel. This is recorded in the metrics JSON."
             )
         if self.args.stage_metrics:
             self.stage_metrics = self.create_stage_metrics_callback()
             self.add_callback(self.stage_metrics)
 
-    def train(self, *args, **kwargs):
-        if isinstance(self.args, ApexTrainingArguments) and self.args.autotune:
-            # Before the optimizer is created: this run's decisions (optimizer, norms) are the ones reported.
-            configure_autotuner(self.args.autotune_cache).begin_run()
-        return super().train(*args, **kwargs)
+    # Start a run: strict FP32 when asked, this run's autotune decisions (or the resumed checkpoint's), fresh routes.
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if isinstance(self.args, ApexTrainingArguments):
+            if self.args.tf32 is False:
+                _keep_fp32_strict()
+            if self.autotuner is not None:
+                self.autotuner.begin_run(pinned=self._checkpoint_decisions(resume_from_checkpoint))
+            if self.model is not None:
+                reset_routes(self.model)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        path = os.path.join(resume_from_checkpoint, STATE_FILE) if resume_from_checkpoint else None
+        if path is None or not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
 
     # Re-apply the surgery to every model model_init builds (Trainer re-creates the model in train()).
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if isinstance(self.args, ApexTrainingArguments):
             self.rewire_report = self.rewire_model(model)
-            if self.stage_metrics is not None:
-                self.stage_metrics.extra["rewire"] = self.rewire_report.to_dict() if self.rewire_report else None
         return model
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
@@ -112,35 +144,71 @@ class ApexTrainer(Trainer):
                 logger.warning("hf_apex: apex_fused_norms is off; restoring the stock norms of the rewired model.")
                 unrewire(model)
             return None
-        report = rewire(model, strict_kernels=self.args.apex_strict_kernels, autotune=self.args.autotune)
+        report = rewire(
+            model,
+            strict_kernels=self.args.apex_strict_kernels,
+            chooser=self._choose_norm if self.args.autotune else None,
+            compiled=self.args.torch_compile,
+        )
         if report.num_swapped == 0:
             logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
         return report
 
+    def _choose_norm(self, module, x, amp) -> str:
+        return self.autotuner.choose_norm(module, x, amp)
+
     # transformers >= 5.8 has no `adamw_apex_fused`: apex optimizers come in through this hook.
-    @staticmethod
-    def get_optimizer_cls_and_kwargs(args, model=None):
+    def get_optimizer_cls_and_kwargs(self, args, model=None):
         if isinstance(args, ApexTrainingArguments) and args.apex_optimizer != "none":
-            return apex_optimizer_cls_and_kwargs(args, model)
+            choose = None
+            if self.autotuner is not None:
+
+                def choose(kwargs, blocked):
+                    return self.autotuner.choose_optimizer(model, kwargs, blocked)
+
+            return apex_optimizer_cls_and_kwargs(args, model, choose)
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
 
+    # A resumed run must rebuild the optimizer whose state it loads: keep this run's decisions with the checkpoint.
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.autotuner is not None and self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump(self.autotuner.state(), f, indent=1)
+
+    # The stock method walks every parameter on each micro-batch (0.3-0.5 ms of host time for BERT-base); the
+    # count only changes with the model.
+    def floating_point_ops(self, inputs) -> int:
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        cached = getattr(self, "_hf_apex_param_count", None)
+        if cached is None or cached[0] is not self.model:
+            cached = self._hf_apex_param_count = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main_input].numel() * cached[1]
+
     def create_stage_metrics_callback(self) -> StageMetricsCallback:
-        model = self.model
-        kernels = (
-            {"norms_under_torch_compile": "torch op"} if self.args.apex_fused_norms and self.args.torch_compile else {}
-        )
         return StageMetricsCallback(
             stage=self.args.stage,
             warmup_steps=self.args.metrics_warmup_steps,
             peak_tflops=self.args.peak_tflops,
             profile_kernels=self.args.profile_kernels,
-            extra={
-                "model_class": type(model).__name__ if model is not None else None,
-                "model_name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None) or None,
-                "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
-                "kernels": kernels,
-            },
+            extra=self._metrics_sections,
         )
+
+    def _metrics_sections(self) -> dict:
+        """What the trainer adds to the metrics JSON at the end of a run."""
+        kernels = {}
+        if self.args.apex_fused_norms and self.args.torch_compile:
+            kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
+        return {
+            "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
+            "autotune": self.autotuner.report() if self.autotuner else [],
+            "kernels": kernels,
+        }
 
     # Merge the stage metrics into the logs before Trainer.log copies them to log_history and the integrations.
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

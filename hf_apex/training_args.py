@@ -8,10 +8,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .optim import APEX_OPTIMIZERS
-from .stages import STAGES, get_stage
-
-_DEFAULT_OPTIM = next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "optim")
+from .stages import APEX_OPTIMIZERS, STAGES, get_stage
 
 
 @dataclass
@@ -56,14 +53,24 @@ class ApexTrainingArguments(TrainingArguments):
         metrics_warmup_steps (`int`, *optional*, defaults to `5`):
             Optimizer steps left out of the timing summary (compilation, allocator and cuBLAS warm-up).
         peak_tflops (`float` or `None`, *optional*, defaults to `None`):
-            Peak dense TFLOP/s used for MFU; `None` looks the GPU up in `hf_apex.metrics.PEAK_TFLOPS`.
+            Peak dense TFLOP/s used for MFU; `None` looks the GPU up in `hf_apex.measure.flops.PEAK_TFLOPS`.
         profile_kernels (`bool`, *optional*, defaults to `True`):
             On CUDA, profile one warm-up step with `torch.profiler` and record which apex kernels executed.
 
+        > Defaults that differ from `TrainingArguments` (so that the training loop never waits on the GPU)
+
+        logging_nan_inf_filter (`bool`, *optional*, defaults to `False`):
+            The stock filter reads every micro-batch's loss on the host (a device sync per micro-batch) to replace
+            a NaN/Inf loss by the running average. Off, a NaN/Inf shows in the logged loss instead of being hidden.
+        accelerator_config (`dict`, *optional*, defaults to `{"non_blocking": True}` with pinned memory):
+            Batches are copied to the GPU asynchronously from pinned memory; accelerate's default copy waits for
+            the GPU to finish the previous step. Any `accelerator_config` you pass is used as given.
+
     > [!NOTE]
-    > A stage pins `optim` (`"adamw_torch"`, foreach, unless the stage uses torch's fused AdamW) and `tf32=False`;
-    > without a stage the `TrainingArguments` defaults apply unchanged. An explicit `--optim` equal to the
-    > transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
+    > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
+    > `torch_compile`, `autotune`, `tf32=False`); a value you set that the stage contradicts is a `ValueError`.
+    > Without a stage the `TrainingArguments` defaults apply, except the two above. An explicit `--optim` equal to
+    > the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["apex_optimizer_kwargs"]
@@ -119,11 +126,21 @@ class ApexTrainingArguments(TrainingArguments):
     profile_kernels: bool = field(
         default=True, metadata={"help": "On CUDA, profile one warm-up step to record which apex kernels ran."}
     )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace NaN/Inf losses in the logged loss (off by default here: it syncs each micro-batch)."
+        },
+    )
 
     def __post_init__(self):
         # Stage switches must be set before super().__post_init__(): it derives mixed precision and TF32 from them.
+        if self.amp_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
         if self.stage is not None:
             self._apply_stage()
+        if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
+            self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         super().__post_init__()
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
@@ -133,46 +150,23 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
 
     def _apply_stage(self) -> None:
+        """Set every argument of the stage's row; refuse a value of yours that contradicts it."""
         stage = get_stage(self.stage)
-
-        def conflict(what: str) -> ValueError:
-            return ValueError(
-                f"stage={stage.name!r} ({stage.summary}) contradicts {what}; drop it or pick another stage."
-            )
-
-        if self.amp_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
-        stage_optim = stage.optimizer if stage.optimizer.startswith("adamw_torch") else "adamw_torch"
-        optim = getattr(self.optim, "value", self.optim)
-        if optim not in (_DEFAULT_OPTIM, stage_optim):
-            raise conflict(f"optim={optim!r}")
-        if self.torch_compile and not stage.compile:
-            raise conflict("torch_compile=True")
-        if self.autotune and not stage.autotune:
-            raise conflict("autotune=True")
-        if self.tf32:
-            raise conflict("tf32=True (stages keep FP32 matmuls strict)")
-        want_apex_opt = stage.optimizer if stage.optimizer == "fused_adam" else "none"
-        if self.apex_optimizer not in ("none", want_apex_opt):
-            raise conflict(f"apex_optimizer={self.apex_optimizer!r}")
-        if self.apex_fused_norms and not stage.fused_norms:
-            raise conflict("apex_fused_norms=True")
-        if stage.precision == "fp32" and (self.bf16 or self.fp16):
-            raise conflict("bf16/fp16 (this stage is FP32)")
-        if stage.precision == "amp":
-            if self.bf16 and self.fp16:
-                raise conflict("bf16=True together with fp16=True")
-            if self.bf16 and self.amp_dtype == "fp16":
-                raise conflict("bf16=True with amp_dtype='fp16'")
-            if self.fp16:
-                self.amp_dtype = "fp16"
-
-        self.optim = stage_optim
-        self.apex_optimizer = want_apex_opt
-        self.apex_fused_norms = stage.fused_norms
-        self.autotune = stage.autotune
-        self.torch_compile = stage.compile
-        self.tf32 = False
-        if stage.precision == "amp":
-            self.bf16 = self.amp_dtype == "bf16"
-            self.fp16 = self.amp_dtype == "fp16"
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        user_bf16, user_fp16 = self.bf16, self.fp16
+        for name, value in stage.settings().items():
+            current = getattr(self, name)
+            current = getattr(current, "value", current)  # optim may be an OptimizerNames enum
+            if current not in (defaults[name], value):
+                raise ValueError(
+                    f"stage={stage.name!r} ({stage.summary}) sets {name}={value!r}, but you set {name}={current!r}; "
+                    "drop it or pick another stage."
+                )
+            setattr(self, name, value)
+        # The row says autocast or FP32; amp_dtype="fp16" (or --fp16) makes the autocast FP16 with a GradScaler.
+        if user_fp16 and not stage.bf16:
+            raise ValueError(f"stage={stage.name!r} ({stage.summary}) runs in FP32, but you set fp16=True.")
+        if stage.bf16 and user_bf16 and (user_fp16 or self.amp_dtype == "fp16"):
+            raise ValueError("bf16=True contradicts fp16=True / amp_dtype='fp16'; give one of them.")
+        if stage.bf16 and (user_fp16 or self.amp_dtype == "fp16"):
+            self.amp_dtype, self.bf16, self.fp16 = "fp16", False, True

@@ -18,7 +18,6 @@ in the banner and on every row, that its numbers are torch fallbacks, not apex k
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -28,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_report import add_ratios, format_table, row_from_metrics, write_outputs  # recipes/ is on sys.path
 
 from hf_apex import STAGES
-from hf_apex.bench import add_ratios, format_table, row_from_metrics, write_outputs
-from hf_apex.import_utils import is_fused_adam_available, is_fused_norm_available
-from hf_apex.metrics import METRICS_FILENAME, percentiles, provenance
+from hf_apex.kernels.availability import blocker, portable_path
+from hf_apex.measure.report import METRICS_FILENAME, provenance
 from hf_apex.stages import SEED_STAGES
 
 HERE = Path(__file__).resolve().parent
@@ -111,6 +110,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--logging_steps",
+        type=int,
+        default=10,
+        help="Trainer logging interval (the plain loop reads its loss as often)",
+    )
+    parser.add_argument(
         "--skip_existing",
         action="store_true",
         help="reuse runs already in --out_dir/runs (finish an interrupted bench, or fill the table over several "
@@ -160,8 +165,8 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
         "0.01",
         "--seed",
         str(opts.seed),
-        "--logging_steps",
-        "1",
+        "--logging_steps",  # a realistic interval: per-step times come from the recorded events anyway
+        str(opts.logging_steps),
         "--save_strategy",
         "no",
         "--save_final_model",
@@ -209,14 +214,14 @@ def main(argv=None) -> int:
     opts.stages = opts.stages or (list(STAGES) if cuda else list(SEED_STAGES))
     opts.steps = opts.steps or (40 if cuda else 6)
     opts.warmup = opts.warmup if opts.warmup is not None else (10 if cuda else 2)
-    kernels = cuda and is_fused_adam_available() and is_fused_norm_available()
+    missing = blocker("fused_adam") or blocker("layer_norm")
     prov = provenance()
-    if kernels:
+    if missing is None:
         banner = f"hf_apex stage benchmark on {prov['gpu']} (apex kernels)"
     else:
         why = "no CUDA" if not cuda else "apex kernels missing"
         banner = f"FALLBACK NUMBERS ({why}, no apex kernels): torch fallbacks stand in for apex; not apex results"
-    apex_commit = (prov["apex"].get("commit") or "n/a")[:8]
+    apex_commit = prov["apex"].get("commit", "not installed")[:8] if prov["apex"]["installed"] else "not installed"
     banner += f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {apex_commit}"
     if opts.nproc > 1:
         banner += f" | {opts.nproc} processes per run (DDP)"
@@ -230,7 +235,9 @@ def main(argv=None) -> int:
         want_plain = not opts.no_plain_loop and opts.nproc == 1
         t0 = time.time()
         # What defines the run: a kept run is reused only when it was made with these very settings.
-        settings = {"nproc": opts.nproc, "finetune": finetune_args(name, stage, opts, run_dir), "plain": want_plain}
+        flags = finetune_args(name, stage, opts, run_dir)
+        portable = [portable_path(a) if a.startswith("/") else a for a in flags]  # no machine paths on disk
+        settings = {"nproc": opts.nproc, "finetune": portable, "plain": want_plain}
         settings_json = run_dir / "bench_settings.json"
         done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
         if opts.skip_existing and done and _read_json(settings_json) == settings:
@@ -242,11 +249,13 @@ def main(argv=None) -> int:
             launcher = [sys.executable]
             if opts.nproc > 1:
                 launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
-            run([*launcher, str(HERE / "finetune.py"), *settings["finetune"]], out_dir / f"{name}-{stage}.log")
+            run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{name}-{stage}.log")
             if want_plain:
                 plain_args = finetune_args(name, stage, opts, run_dir / "plain")
-                worker = [sys.executable, str(HERE / "bench.py"), "--plain-loop-worker", str(plain_json), *plain_args]
-                run(worker, out_dir / f"{name}-{stage}-plain.log")
+                run(
+                    [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args],
+                    out_dir / f"{name}-{stage}-plain.log",
+                )
             settings_json.write_text(json.dumps(settings, indent=1))
         plain = json.loads(plain_json.read_text()) if want_plain else None
         row = row_from_metrics(name, json.loads(metrics_json.read_text()), plain)
@@ -254,94 +263,18 @@ def main(argv=None) -> int:
         p50 = f"{row.step_time_ms_p50:8.1f} ms" if row.step_time_ms_p50 is not None else "n/a"
         print(f"  {name:5s} {stage:14s} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)
     add_ratios(rows)
-    config = {k: v for k, v in vars(opts).items()}
-    config["command"] = " ".join(["python", "recipes/bench.py", *(argv if argv is not None else sys.argv[1:])])
+    config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
+    args = argv if argv is not None else sys.argv[1:]
+    config["command"] = " ".join(
+        ["python", "recipes/bench.py", *(portable_path(a) if a.startswith("/") else a for a in args)]
+    )
     paths = write_outputs(rows, out_dir, banner, config)
     print(format_table(rows, banner))
-    print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
+    print("\nwritten: " + ", ".join(portable_path(p) for p in paths.values()))
     if "png" not in paths:
         print("no chart: install matplotlib (pip install 'hf_apex[plot]') for results.png")
     return 0
 
 
-def plain_loop_worker(out_json: str, argv: list[str]) -> None:
-    """The same model, data, optimizer and precision as the finetune.py run, in a plain PyTorch loop."""
-    from transformers import HfArgumentParser, Trainer, set_seed
-
-    from hf_apex import ApexTrainer, ApexTrainingArguments, rewire
-
-    spec = importlib.util.spec_from_file_location("finetune", HERE / "finetune.py")
-    ft = importlib.util.module_from_spec(spec)
-    sys.modules["finetune"] = ft
-    spec.loader.exec_module(ft)
-
-    script_args, args = HfArgumentParser((ft.ScriptArguments, ApexTrainingArguments)).parse_args_into_dataclasses(argv)
-    set_seed(args.seed)
-    tokenizer = ft.load_tokenizer(script_args)
-    model = ft.load_model(script_args, tokenizer)
-    prepare = ft.prepare_sst2 if script_args.task == "sst2" else ft.prepare_wikitext2
-    train_ds, _, collator, _ = prepare(script_args, ft.load_raw_data(script_args), tokenizer, model, args)
-    if args.apex_fused_norms:
-        rewire(model, autotune=args.autotune)
-    device = args.device
-    model.to(device).train()
-    decay = set(Trainer.get_decay_parameter_names(None, model))
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
-    ]
-    opt_cls, kwargs = ApexTrainer.get_optimizer_cls_and_kwargs(args, model)
-    optimizer = opt_cls(groups, **kwargs)
-    if args.torch_compile:  # as the Trainer does (through accelerate): compile the model, not the optimizer
-        model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
-    loader = torch.utils.data.DataLoader(
-        train_ds,
-        batch_size=args.per_device_train_batch_size,
-        shuffle=True,
-        collate_fn=collator,
-        drop_last=True,
-        num_workers=2,
-    )
-    dtype = torch.bfloat16 if args.bf16 else torch.float16
-    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))
-    marks, losses = [], []
-    for _ in range(args.max_steps):
-        batch = next(batches)
-        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            start.record()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with torch.autocast(device.type, dtype=dtype, enabled=args.bf16 or args.fp16):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
-        end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            end.record()
-        marks.append((start, end))
-        losses.append(loss.detach())
-    if cuda:
-        torch.cuda.synchronize()
-    ms = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in marks]
-    result = {
-        "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),
-        "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "losses": [float(v) for v in losses],
-    }
-    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--plain-loop-worker":
-        plain_loop_worker(sys.argv[2], sys.argv[3:])
-        sys.exit(0)
     sys.exit(main())

@@ -49,7 +49,9 @@ from transformers import (
 )
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
-from hf_apex.metrics import update_metrics_file
+from hf_apex.kernels.availability import portable_path
+from hf_apex.measure.report import update_metrics_file
+from hf_apex.trainer import validate_apex_args
 
 logger = logging.getLogger("finetune")
 
@@ -115,6 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     check_args(script_args)
+    try:  # environment problems (no GPU, no apex kernels under strict mode) before any data or model loads
+        validate_apex_args(training_args)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     set_seed(training_args.seed)
 
     # 1. Tokenizer, raw data, model
@@ -192,7 +198,7 @@ def load_tokenizer(args: ScriptArguments):
 def data_source(args: ScriptArguments) -> str:
     if args.data_dir is None:
         return "hub:" + "/".join(TASKS[args.task][0])
-    return str(Path(args.data_dir).resolve())
+    return portable_path(args.data_dir)
 
 
 def load_raw_data(args: ScriptArguments) -> datasets.DatasetDict:

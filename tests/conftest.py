@@ -1,13 +1,35 @@
 import pytest
 import torch
 
-from hf_apex.counters import KERNEL_COUNTER
+from tests.testing_utils import REQUIRE_KERNELS, missing_kernels
+
+
+def pytest_runtest_setup(item):
+    if REQUIRE_KERNELS and item.get_closest_marker("gpu") and (why := missing_kernels()):
+        pytest.fail(f"HF_APEX_REQUIRE_KERNELS=1 but apex's kernels cannot run here: {why}", pytrace=False)
+
+
+def _fp32_flags():
+    flags = {"precision": torch.get_float32_matmul_precision(), "dtype": torch.get_default_dtype()}
+    if hasattr(torch.backends, "fp32_precision"):
+        flags["backends"] = torch.backends.fp32_precision
+        flags["matmul"] = torch.backends.cuda.matmul.fp32_precision
+        flags["conv"] = torch.backends.cudnn.conv.fp32_precision
+    return flags
 
 
 @pytest.fixture(autouse=True)
-def _fresh_counter():
-    KERNEL_COUNTER.reset()
+def _no_leaked_global_state():
+    """A test must not leave TF32, matmul precision or the default dtype changed for the next one (the Trainer
+    and accelerate set them process-wide): restore them after each test."""
+    before = _fp32_flags()
     yield
+    torch.set_default_dtype(before["dtype"])
+    if "backends" in before:
+        torch.backends.fp32_precision = before["backends"]
+        torch.backends.cuda.matmul.fp32_precision = before["matmul"]
+        torch.backends.cudnn.conv.fp32_precision = before["conv"]
+    torch.set_float32_matmul_precision(before["precision"])
 
 
 @pytest.fixture

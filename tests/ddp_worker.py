@@ -40,6 +40,8 @@ def main(out_dir: str, stage: str, batch: int) -> None:
             m.p = 0.0
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(n=64))
     trainer.train()
+    if args.process_index == 0:  # a common idiom: log something extra from the main process only
+        trainer.log({"loss": 0.0, "note": 1.0})
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     torch.save(state, Path(out_dir) / f"params-rank{args.process_index}.pt")
     if torch.distributed.is_initialized():

@@ -1,148 +1,136 @@
-"""auto: the faster backend is chosen, parity failures are excluded, decisions are cached by GPU/version/shape/dtype,
-and a corrupt cache is ignored with a warning. Timings are injected; the norm path runs for real on CPU with a
-stand-in for apex's kernel."""
+"""auto: the faster backend is chosen, parity failures are excluded, the cache is consulted before anything is
+measured, decisions are per trainer and per run, and a resumed run keeps its checkpoint's optimizer. Timings are
+injected; the norm and optimizer paths run for real on CPU with torch stand-ins for apex's kernels."""
 
 import json
 import logging
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_apex import ApexTrainer, ApexTrainingArguments, autotune, norms, rewire
+from hf_apex import ApexTrainer, ApexTrainingArguments, autotune, rewire
 from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
-from hf_apex.counters import KERNEL_COUNTER
-from hf_apex.metrics import METRICS_FILENAME
+from hf_apex.kernels import norms, optim, trace
+from hf_apex.kernels.optim import FusedAdamFallback
+from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import TokenDataset, tiny_model
 
 
 class FakeTimer:
-    """Returns preset milliseconds per candidate name and counts calls."""
+    """Returns preset milliseconds per candidate (called for real first) and records which were timed."""
 
     def __init__(self, times):
         self.times, self.calls = times, []
 
     def __call__(self, fn, budget_s):
-        name = fn.__name__
+        fn()
+        name = fn.backend
         self.calls.append(name)
         return self.times[name]
 
 
-def candidates():
-    def apex():
-        pass
+def prepare_counting(calls, parity=True):
+    """A `prepare` for Autotuner.choose that records that it was called."""
 
-    def torch_():
-        pass
+    def prepare():
+        calls.append("prepare")
+        return {APEX: lambda: None, TORCH: lambda: None}, lambda name: parity
 
-    torch_.__name__ = "torch"
-    return {APEX: apex, TORCH: torch_}
+    return prepare
 
 
 @pytest.fixture
-def tuner(tmp_path, monkeypatch):
-    monkeypatch.setattr(autotune, "environment_key", lambda: {"gpu": "GPU-A", "torch": "2.11", "apex": "abc"})
+def env(monkeypatch):
+    key = {"gpu": "GPU-A", "torch": "2.11", "cuda": "13.0", "hf_apex": "0.1", "apex": "abc"}
+    monkeypatch.setattr(autotune, "environment_key", lambda: dict(key))
+    return key
 
-    def make(times):
-        return Autotuner(DecisionCache(tmp_path / "cache.json"), timer=FakeTimer(times))
 
-    return make
+def tuner(tmp_path, times):
+    return Autotuner(DecisionCache(tmp_path / "cache.json"), timer=FakeTimer(times))
 
 
 @pytest.mark.parametrize(
     "times, expected", [({"apex": 1.0, "torch": 2.0}, APEX), ({"apex": 3.0, "torch": 2.0}, TORCH)]
 )
-def test_the_faster_backend_is_chosen(tuner, times, expected):
-    decision = tuner(times).choose("layer_norm", {"hidden": 768}, candidates(), parity=lambda name: True)
+def test_the_faster_backend_is_chosen(env, tmp_path, times, expected):
+    decision = tuner(tmp_path, times).choose("layer_norm", {"hidden": 768}, prepare_counting([]))
     assert decision.backend == expected and decision.times_ms == times and not decision.cached
 
 
-def test_a_backend_failing_parity_is_never_chosen(tuner):
-    t = tuner({"apex": 0.1, "torch": 5.0})
-    decision = t.choose("layer_norm", {"hidden": 768}, candidates(), parity=lambda name: False)
+def test_a_backend_failing_parity_is_never_chosen(env, tmp_path):
+    t = tuner(tmp_path, {"apex": 0.1, "torch": 5.0})
+    decision = t.choose("layer_norm", {"hidden": 768}, prepare_counting([], parity=False))
     assert decision.backend == TORCH and decision.parity_ok == {APEX: False, TORCH: True}
     assert t.timer.calls == ["torch"]  # the failed backend is not even timed
 
 
-def test_decisions_are_cached_and_reused(tuner, tmp_path):
-    first = tuner({"apex": 1.0, "torch": 2.0})
-    first.choose("optimizer", {"numel": 10}, candidates(), parity=lambda name: True)
-    second = tuner({"apex": 9.0, "torch": 2.0})  # a new process: timings would now say torch
-    decision = second.choose("optimizer", {"numel": 10}, candidates(), parity=lambda name: True)
-    assert decision.backend == APEX and decision.cached and second.timer.calls == []
+def test_the_cache_is_consulted_before_anything_is_prepared(env, tmp_path):
+    first = tuner(tmp_path, {"apex": 1.0, "torch": 2.0})
+    first.choose("optimizer", {"numel": 10}, prepare_counting([]))
+    prepared = []
+    second = tuner(tmp_path, {"apex": 9.0, "torch": 2.0})  # a new process: timings would now say torch
+    decision = second.choose("optimizer", {"numel": 10}, prepare_counting(prepared))
+    assert decision.backend == APEX and decision.cached and prepared == [] and second.timer.calls == []
     assert len(json.loads((tmp_path / "cache.json").read_text())) == 1
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda mp: mp.setattr(autotune, "environment_key", lambda: {"gpu": "GPU-B", "torch": "2.11", "apex": "abc"}),
-        lambda mp: mp.setattr(autotune, "environment_key", lambda: {"gpu": "GPU-A", "torch": "2.12", "apex": "abc"}),
-        lambda mp: mp.setattr(autotune, "environment_key", lambda: {"gpu": "GPU-A", "torch": "2.11", "apex": "def"}),
-    ],
-    ids=["gpu", "torch-version", "apex-commit"],
-)
-def test_cache_key_changes_with_gpu_and_versions(tuner, monkeypatch, change):
-    tuner({"apex": 1.0, "torch": 2.0}).choose("layer_norm", {"hidden": 768}, candidates(), parity=lambda n: True)
-    change(monkeypatch)
-    again = tuner({"apex": 3.0, "torch": 2.0})
-    assert again.choose("layer_norm", {"hidden": 768}, candidates(), parity=lambda n: True).backend == TORCH
+@pytest.mark.parametrize("field, value", [("gpu", "GPU-B"), ("torch", "2.12"), ("apex", "def")])
+def test_cache_key_changes_with_gpu_and_versions(env, tmp_path, field, value):
+    tuner(tmp_path, {"apex": 1.0, "torch": 2.0}).choose("layer_norm", {"hidden": 768}, prepare_counting([]))
+    env[field] = value
+    again = tuner(tmp_path, {"apex": 3.0, "torch": 2.0})
+    assert again.choose("layer_norm", {"hidden": 768}, prepare_counting([])).backend == TORCH
     assert again.timer.calls  # re-timed, not served from the cache
 
 
-@pytest.mark.parametrize("other", [{"hidden": 1024, "dtype": "bf16"}, {"hidden": 768, "dtype": "fp32"}])
-def test_cache_key_changes_with_shape_and_dtype(tuner, other):
-    tuner({"apex": 1.0, "torch": 2.0}).choose(
-        "rms_norm", {"hidden": 768, "dtype": "bf16"}, candidates(), parity=lambda n: True
-    )
-    again = tuner({"apex": 3.0, "torch": 2.0})
-    assert again.choose("rms_norm", other, candidates(), parity=lambda n: True).backend == TORCH
-
-
 @pytest.mark.parametrize("content", ["{not json", "[1, 2, 3]", ""])
-def test_a_corrupt_cache_is_ignored_with_a_warning(tuner, tmp_path, caplog, content):
+def test_a_corrupt_cache_is_ignored_with_a_warning(env, tmp_path, caplog, content):
     (tmp_path / "cache.json").write_text(content)
     with caplog.at_level(logging.WARNING, logger="hf_apex"):
-        decision = tuner({"apex": 1.0, "torch": 2.0}).choose(
-            "layer_norm", {"h": 1}, candidates(), parity=lambda n: True
-        )
+        decision = tuner(tmp_path, {"apex": 1.0, "torch": 2.0}).choose("layer_norm", {"h": 1}, prepare_counting([]))
     assert decision.backend == APEX
     assert "ignoring unreadable autotune cache" in caplog.text
     assert isinstance(json.loads((tmp_path / "cache.json").read_text()), dict)  # rewritten, valid
 
 
+def test_a_cache_path_that_is_a_directory_warns(env, tmp_path, caplog):
+    (tmp_path / "cache.json").mkdir()
+    with caplog.at_level(logging.WARNING, logger="hf_apex"):
+        decision = tuner(tmp_path, {"apex": 1.0, "torch": 2.0}).choose("layer_norm", {"h": 1}, prepare_counting([]))
+    assert decision.backend == APEX and "is a directory" in caplog.text
+
+
+# -- apex stand-ins on CPU ---------------------------------------------------------------------------------
+def _correct(m, x):
+    return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+
+
+def _wrong(m, x):
+    return 2 * F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+
+
 @pytest.fixture
-def fake_apex_kernel(monkeypatch, tmp_path):
-    """Let the swapped norm believe apex can run on CPU; `_apex_forward` is a torch stand-in we control."""
-    monkeypatch.setattr(norms, "_fallback_reason", lambda x, w: None)
-    monkeypatch.setattr(autotune, "_AUTOTUNER", None)
-    monkeypatch.setenv("HF_APEX_CACHE", str(tmp_path / "cache.json"))
+def fake_apex(monkeypatch, env):
+    """Let apex 'run' on CPU: the swapped LayerNorm's kernel and apex FusedAdam are torch stand-ins we control."""
+    monkeypatch.setattr(norms, "blocker", lambda component, device=None: None)
+    monkeypatch.setattr(norms, "_load_extension", lambda: None)
+    monkeypatch.setattr(optim, "blocker", lambda component, device=None: None)
+    monkeypatch.setattr(optim, "apex_optimizer_class", lambda name: FusedAdamFallback)
 
-    def use(apex_forward, times):
-        monkeypatch.setattr(norms.ApexFusedLayerNorm, "_apex_forward", apex_forward)
-        tuner = autotune.configure_autotuner()
-
-        def timer(fn, budget_s):  # candidate lambdas close over `name`; time by calling them for real
-            fn()
-            return times[fn.__defaults__[0]]
-
-        tuner.timer = timer
-        return tuner
+    def use(kernel):
+        monkeypatch.setattr(norms._LayerNormKernel, "hf_apex_kernel", lambda self, amp: kernel)
 
     return use
 
 
-def _correct(self, x):
-    return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-
-
-def _wrong(self, x):
-    return 2 * F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+def norm_tuner(tmp_path, times):
+    return Autotuner(DecisionCache(tmp_path / "cache.json"), timer=FakeTimer(times))
 
 
 @pytest.mark.parametrize(
-    "apex_forward, times, chosen",
+    "kernel, times, chosen",
     [
         (_correct, {"apex": 1.0, "torch": 2.0}, "apex"),
         (_correct, {"apex": 2.0, "torch": 1.0}, "torch"),
@@ -150,53 +138,105 @@ def _wrong(self, x):
     ],
     ids=["apex-faster", "torch-faster", "apex-wrong"],
 )
-def test_swapped_norm_uses_the_autotuned_backend(fake_apex_kernel, apex_forward, times, chosen):
-    tuner = fake_apex_kernel(apex_forward, times)
+def test_swapped_norm_uses_the_autotuned_backend(fake_apex, tmp_path, kernel, times, chosen):
+    fake_apex(kernel)
+    t = norm_tuner(tmp_path, times)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.LayerNorm(16))
-    rewire(model, autotune=True)
-    weight_grad_before = model[1].weight.grad
+    rewire(model, chooser=t.choose_norm)
     x = torch.randn(4, 8)
     model(x).sum().backward()
     model(x)
-    assert len(tuner.decisions) == 1  # one decision per norm type and shape, reused by both modules and calls
-    assert tuner.decisions[0].backend == chosen and tuner.decisions[0].key["tokens"] == 4
-    assert weight_grad_before is None and model[1].weight.grad is not None  # tuning did not touch .grad
-    counts = KERNEL_COUNTER.since(__import__("collections").Counter())["layer_norm"]
-    assert counts.get("apex" if chosen == "apex" else "torch") == 4 and counts["fallback"] == 0
+    assert len(t.decisions) == 1  # one decision per norm type and shape, reused by both modules and calls
+    assert t.decisions[0].backend == chosen and t.decisions[0].key["tokens"] == 4
+    counts = trace.calls_since(trace.collect(model), {})["layer_norm"]
+    assert counts.get(chosen) == 4 and counts["fallback"] == 0
     with torch.no_grad():  # evaluation at another shape reuses the training decision, no new timing
-        model(torch.randn(64, 8))
-    assert len(tuner.decisions) == 1
+        model.eval()(torch.randn(64, 8))
+    assert len(t.decisions) == 1
 
 
-def test_autotune_copes_with_frozen_norm_weights(fake_apex_kernel):
-    tuner = fake_apex_kernel(_correct, {"apex": 1.0, "torch": 2.0})
+def test_autotune_copes_with_frozen_norm_weights(fake_apex, tmp_path):
+    fake_apex(_correct)
+    t = norm_tuner(tmp_path, {"apex": 1.0, "torch": 2.0})
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
     model[1].weight.requires_grad_(False)
-    rewire(model, autotune=True)
+    rewire(model, chooser=t.choose_norm)
+    weight_grad = model[0].weight.grad
     model(torch.randn(4, 8)).sum().backward()
-    assert tuner.decisions[0].backend == "apex"
+    assert t.decisions[0].backend == "apex" and weight_grad is None  # tuning did not touch .grad before
 
 
-def test_each_training_run_reports_its_own_decisions(fake_apex_kernel, tmp_path):
-    fake_apex_kernel(_correct, {"apex": 1.0, "torch": 2.0})
+def auto_args(out, **kw):
+    base = dict(
+        output_dir=str(out),
+        stage="auto",
+        use_cpu=True,
+        report_to="none",
+        max_steps=3,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        metrics_warmup_steps=1,
+        disable_tqdm=True,
+        autotune_cache=str(out.parent / "cache.json"),
+        learning_rate=1e-3,
+        seed=0,
+    )
+    return ApexTrainingArguments(**{**base, **kw})
 
-    def decisions(stage):
-        args = ApexTrainingArguments(
-            output_dir=str(tmp_path / stage),
-            stage=stage,
-            use_cpu=True,
-            report_to="none",
-            max_steps=3,
-            per_device_train_batch_size=4,
-            save_strategy="no",
-            metrics_warmup_steps=1,
-            disable_tqdm=True,
-        )
-        ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset()).train()
-        report = json.loads((tmp_path / stage / METRICS_FILENAME).read_text())["autotune"]
-        return [(d["component"], d["backend"], d["cached"]) for d in report]
 
-    assert decisions("auto") == [("layer_norm", "apex", False)]
-    shutil.move(tmp_path / "auto", tmp_path / "first")
-    assert decisions("auto") == [("layer_norm", "apex", True)]  # taken again, from the disk cache
-    assert decisions("baseline") == []  # no autotune in this run: nothing from the earlier ones
+def fix_timings(monkeypatch, times):
+    monkeypatch.setattr(autotune, "cuda_timer", FakeTimer(times))
+
+
+def test_each_trainer_and_each_run_report_their_own_decisions(fake_apex, tmp_path, monkeypatch):
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
+
+    def run(name, stage="auto"):
+        args = auto_args(tmp_path / name, stage=stage)
+        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.train()
+        report = json.loads((tmp_path / name / METRICS_FILENAME).read_text())["autotune"]
+        return trainer, [(d["component"], d["backend"], d["cached"]) for d in report]
+
+    first, decided = run("first")
+    assert decided == [("optimizer", "apex", False), ("layer_norm", "apex", False)]
+    second, again = run("second")
+    assert again == [("optimizer", "apex", True), ("layer_norm", "apex", True)]  # from the disk cache
+    assert first.autotuner is not second.autotuner and len(first.autotuner.decisions) == 2
+    assert run("third", stage="baseline")[1] == []  # no autotune in this run: nothing from the earlier ones
+
+
+def test_a_resumed_run_keeps_the_optimizer_of_its_checkpoint(fake_apex, tmp_path, monkeypatch):
+    """The first run picks apex (FusedAdam's state layout); on resume the timings would pick torch AdamW, whose
+    load of that state fails (KeyError 'step'). The decision stored in the checkpoint is kept instead."""
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
+    args = auto_args(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
+    straight = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    straight.train()
+    assert json.loads((tmp_path / "run" / "checkpoint-2" / autotune.STATE_FILE).read_text())["optimizer"] == "apex"
+
+    (tmp_path / "cache.json").unlink()
+    fix_timings(monkeypatch, {"apex": 2.0, "torch": 1.0})  # another machine, where torch would win
+    resumed = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert type(resumed.optimizer.optimizer) is FusedAdamFallback
+    decision = resumed.autotuner.report()[0]
+    assert (decision["component"], decision["backend"], decision["reason"]) == (
+        "optimizer",
+        "apex",
+        "resumed checkpoint",
+    )
+    want = {h["step"]: h["loss"] for h in straight.state.log_history if "loss" in h}
+    got = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
+    assert got[4] == pytest.approx(want[4], rel=1e-6)
+
+
+def test_on_cpu_auto_says_why_it_decided_nothing(tmp_path):
+    trainer = ApexTrainer(
+        model=tiny_model("llama").train(), args=auto_args(tmp_path / "cpu"), train_dataset=TokenDataset()
+    )
+    trainer.train()
+    (decision,) = json.loads((tmp_path / "cpu" / METRICS_FILENAME).read_text())["autotune"]
+    assert decision["backend"] is None and "not timed" in decision["reason"] and "CUDA" in decision["reason"]

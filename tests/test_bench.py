@@ -3,17 +3,20 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hf_apex.bench import add_ratios, format_table, loss_curve_agreement, row_from_metrics
-from hf_apex.metrics import METRICS_FILENAME
+from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
+from tests.testing_utils import loss_curve_agreement
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+from bench_report import add_ratios, format_table, row_from_metrics  # noqa: E402
 
 
 def run_bench(data_dir, tokenizer, out_dir, flags: str) -> subprocess.CompletedProcess:
@@ -108,6 +111,11 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
             "peak_memory_allocated_gib",
         ):
             assert key in r
+    plain = json.loads((tmp_path / "runs" / "gpt2-fused_full-plain.json").read_text())
+    assert len(plain["steps_ms"]) == 3 and len(plain["losses"]) == 3  # the plain loop ran the same 1 + 2 steps
+    # Nothing written names a path of this machine.
+    for path in tmp_path.rglob("*.json"):
+        assert not re.search(r'"/(tmp|home|root|work)/', path.read_text()), path
     # A second call with --skip_existing reuses every run and rebuilds the same table...
     flags = "--steps 2 --warmup 1 --batch bert=4 --batch gpt2=4 --skip_existing"
     again = run_bench(generated_data, word_tokenizer, tmp_path, flags)

@@ -5,8 +5,8 @@ import types
 import pytest
 import torch
 
-from hf_apex.norms import ApexKernelError
-from hf_apex.optim import FusedAdamFallback, apex_optimizer_cls_and_kwargs
+from hf_apex.kernels.norms import ApexKernelError
+from hf_apex.kernels.optim import FusedAdamFallback, apex_optimizer_cls_and_kwargs
 
 
 def _apex_reference_step(p, g, m, v, step, lr, betas, eps, wd, adam_w_mode=True):
@@ -118,6 +118,9 @@ def test_cls_and_kwargs_without_kernels():
     assert kwargs == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "bias_correction": False}
     with pytest.raises(ApexKernelError, match="strict"):
         apex_optimizer_cls_and_kwargs(_args(apex_strict_kernels=True))
+    # A decision that must be kept (a resumed checkpoint's) is honoured even where apex cannot run.
+    cls, kwargs = apex_optimizer_cls_and_kwargs(_args(), choose=lambda kwargs, blocked: "torch")
+    assert cls is torch.optim.AdamW and kwargs["fused"] is True
     with pytest.raises(ValueError, match="Unknown apex_optimizer"):
         apex_optimizer_cls_and_kwargs(_args(apex_optimizer="sgd"))
 
@@ -136,3 +139,4 @@ def test_fallback_counts_steps_per_group_like_apex_even_without_grads():
     opt.step()
     assert [g["step"] for g in opt.param_groups] == [1, 1]  # apex bumps every non-empty group
     assert not opt.state[frozen_this_step]
+    assert opt.hf_apex_route.calls == 1 and opt.hf_apex_route.backend == "fallback"

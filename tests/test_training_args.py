@@ -54,7 +54,7 @@ def test_fused_full_with_fp16():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(stage="baseline", bf16=True), "FP32"),
+        (dict(stage="baseline", bf16=True), "bf16=False, but you set bf16=True"),
         (dict(stage="fused_adam_ln", fp16=True), "FP32"),
         (dict(stage="fused_adam", tf32=True), "tf32"),
         (dict(stage="baseline", apex_optimizer="fused_adam"), "apex_optimizer"),
@@ -63,6 +63,7 @@ def test_fused_full_with_fp16():
         (dict(stage="baseline", optim="sgd"), "optim"),
         (dict(stage="fused_full", bf16=True, amp_dtype="fp16"), "amp_dtype"),
         (dict(stage="fused_full", bf16=True, fp16=True), "fp16"),
+        (dict(amp_dtype="fp8"), "amp_dtype"),
         (dict(stage="warp_speed"), "Unknown stage"),
         (dict(stage="fused_full", torch_compile=True), "torch_compile"),
         (dict(stage="fused_full", autotune=True), "autotune"),

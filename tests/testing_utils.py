@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from hf_apex.import_utils import is_fused_adam_available, is_fused_norm_available
+from hf_apex.kernels.availability import blocker
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
-require_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# On the GPU machine: HF_APEX_REQUIRE_KERNELS=1 turns "no CUDA / no apex kernels" skips into failures (conftest.py).
+REQUIRE_KERNELS = os.environ.get("HF_APEX_REQUIRE_KERNELS") == "1"
+
+
+def missing_kernels() -> str | None:
+    """Why the GPU tests cannot run here (no GPU, apex's extensions not built), or None."""
+    return blocker("fused_adam") or blocker("layer_norm")
+
+
+require_cuda = pytest.mark.skipif(not REQUIRE_KERNELS and not torch.cuda.is_available(), reason="needs a CUDA GPU")
 require_apex = pytest.mark.skipif(
-    not (is_fused_adam_available() and is_fused_norm_available()),
-    reason="needs apex built with its C++/CUDA extensions (amp_C, fused_layer_norm_cuda): run `make apex`",
+    not REQUIRE_KERNELS and missing_kernels() is not None,
+    reason=f"needs apex built with its C++/CUDA extensions: run `make apex` ({missing_kernels()})",
 )
 require_shared_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"real data folder {SHARED_DATA} is absent")
 
@@ -46,6 +56,7 @@ TINY = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _DECODER),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_DECODER, "head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", _DECODER),
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",
@@ -91,3 +102,18 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> dict[str, float]:
+    """How closely two same-seed loss curves agree: the largest relative gap between their moving averages
+    (``window`` steps, after the first window) and the relative gap between their last-window means."""
+    n = min(len(a), len(b))
+    if n < window:
+        raise ValueError(f"need at least {window} losses per curve, got {n}")
+
+    def smooth(xs):
+        return [sum(xs[i - window : i]) / window for i in range(window, n + 1)]
+
+    sa, sb = smooth(a[:n]), smooth(b[:n])
+    gaps = [abs(x - y) / abs(y) for x, y in zip(sa, sb)]
+    return {"max_rel_gap_smoothed": max(gaps), "final_rel_gap": gaps[-1], "steps": n, "window": window}

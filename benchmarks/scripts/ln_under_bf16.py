@@ -12,11 +12,11 @@ import sys
 
 import torch
 import transformers
+from hf_apex.metrics import provenance
+from hf_apex.optim import _apex_classes
 from torch.profiler import ProfilerActivity, profile
 
 from hf_apex import rewire
-from hf_apex.metrics import provenance
-from hf_apex.optim import _apex_classes
 
 MODELS = {
     "bert-base 128x128": (

@@ -1,5 +1,5 @@
-"""Beyond-seed rungs on the GPU: `auto` decides per component and repeats its decisions; `compiled` follows the
-eager BF16 loss curve."""
+"""Beyond-seed rungs on the GPU: `auto` decides per component and a second trainer takes the same decisions from
+the cache; `compiled` follows the eager BF16 loss curve."""
 
 import json
 
@@ -7,10 +7,9 @@ import pytest
 import torch
 import transformers
 
-from hf_apex import ApexTrainer, ApexTrainingArguments, autotune
-from hf_apex.bench import loss_curve_agreement
-from hf_apex.metrics import METRICS_FILENAME
-from tests.testing_utils import TokenDataset, require_apex, require_cuda
+from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.measure.report import METRICS_FILENAME
+from tests.testing_utils import TokenDataset, loss_curve_agreement, require_apex, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
 
@@ -32,20 +31,19 @@ def train(tmp_path, stage, steps=30, **kw):
         **kw,
     )
     dataset = TokenDataset(n=steps * 8, seq=512, vocab=model.config.vocab_size)
-    ApexTrainer(model=model, args=args, train_dataset=dataset).train()
+    trainer = ApexTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
     return json.loads((tmp_path / METRICS_FILENAME).read_text())
 
 
-def test_auto_decides_every_component_and_repeats_its_decisions(tmp_path, monkeypatch):
+def test_auto_decides_every_component_and_a_second_trainer_reuses_the_decisions(tmp_path):
     cache = tmp_path / "autotune.json"
-    monkeypatch.setattr(autotune, "_AUTOTUNER", None)
     first = train(tmp_path / "a", "auto", autotune_cache=str(cache))
     components = {d["component"] for d in first["autotune"]}
     assert {"optimizer", "layer_norm"} <= components
     for d in first["autotune"]:
         assert not d["cached"] and set(d["times_ms"]) == set(d["parity_ok"]) == {"apex", "torch"}
         assert d["parity_ok"]["apex"], d  # apex matches torch on this GPU
-    monkeypatch.setattr(autotune, "_AUTOTUNER", None)
     second = train(tmp_path / "b", "auto", autotune_cache=str(cache))
     assert [(d["component"], d["backend"]) for d in second["autotune"]] == [
         (d["component"], d["backend"]) for d in first["autotune"]

@@ -17,3 +17,6 @@ def test_doctor_strict_passes_with_runtime_proof():
     report = json.loads(out.stdout)
     assert report["ok"] and {b["backend"] for b in report["backends"].values()} == {"apex"}
     assert {"layer_norm", "rms_norm", "fused_adam"} <= set(report["runtime_proof"]["kernels"])
+    # The apex commit is the one built, or "unknown" -- never the HEAD of a checkout the source sits in.
+    repo_head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert report["apex"]["commit"] != repo_head and report["apex"].get("commit_source")

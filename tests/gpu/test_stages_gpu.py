@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments
-from hf_apex.metrics import METRICS_FILENAME
+from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import TokenDataset, require_apex, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
@@ -63,7 +63,7 @@ def test_stage_trains_20_steps_with_the_right_kernels(name, stage, tmp_path):
         assert profiled == {} and calls == {}
         return
     assert "fused_adam" in profiled and calls["optimizer"]["apex"] == 20 and calls["optimizer"]["fallback"] == 0
-    if STAGES[stage].fused_norms:
+    if STAGES[stage].apex_fused_norms:
         assert "layer_norm" in profiled
         assert calls["layer_norm"]["apex"] > 0 and calls["layer_norm"]["fallback"] == 0
     else:

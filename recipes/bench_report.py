@@ -1,4 +1,5 @@
-"""Benchmark rows, the stage table, CSV/JSON output and the chart (what ``make bench`` prints and saves)."""
+"""Benchmark rows, the stage table, CSV/JSON output and the chart: what `make bench` (recipes/bench.py) prints
+and saves. A script beside the recipes, not part of the installed package."""
 
 from __future__ import annotations
 
@@ -83,29 +84,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
     )
 
 
-def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> dict[str, float]:
-    """How closely two same-seed loss curves agree: the largest relative gap between their moving averages
-    (``window`` steps, after the first window) and the relative gap between their last-window means."""
-    n = min(len(a), len(b))
-    if n < window:
-        raise ValueError(f"need at least {window} losses per curve, got {n}")
-
-    def smooth(xs):
-        return [sum(xs[i - window : i]) / window for i in range(window, n + 1)]
-
-    sa, sb = smooth(a[:n]), smooth(b[:n])
-    gaps = [abs(x - y) / abs(y) for x, y in zip(sa, sb)]
-    return {"max_rel_gap_smoothed": max(gaps), "final_rel_gap": gaps[-1], "steps": n, "window": window}
-
-
 def _ratio(a, b):
     return a / b if a is not None and b else None
-
-
-def load_rows(path: Path) -> tuple[str, list[BenchRow]]:
-    """The banner and rows of a results.json written by :func:`write_outputs`."""
-    data = json.loads(Path(path).read_text())
-    return data.get("banner", ""), [BenchRow(**r) for r in data["rows"]]
 
 
 def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:

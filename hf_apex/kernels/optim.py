@@ -6,22 +6,22 @@ clipping and checkpointing stay as they are.
 
 :class:`FusedAdamFallback` runs when apex's ``amp_C`` kernels cannot (not built, CPU parameters). It computes
 apex's update formula with torch ``_foreach`` ops and keeps apex's state layout (``exp_avg``/``exp_avg_sq`` in
-fp32 per parameter, ``step`` per *param group*), so checkpoints move between the two. Every step of either
-records which one ran.
+fp32 per parameter, ``step`` per *param group*), so checkpoints move between the two. Each optimizer counts the
+steps it ran in its :class:`~hf_apex.kernels.trace.KernelRoute` (``hf_apex_route``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .counters import APEX, FALLBACK, KERNEL_COUNTER
-from .import_utils import APEX_BUILD_HINT, is_fused_adam_available
+from .availability import blocker, fix_for
 from .norms import ApexKernelError
+from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
 
@@ -52,14 +52,13 @@ class FusedAdamFallback(torch.optim.Optimizer):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         if capturable or master_weights:
-            raise ValueError(f"capturable/master_weights need apex's kernels. {APEX_BUILD_HINT}")
+            raise ValueError(f"capturable/master_weights need apex's kernels. {fix_for('apex')}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode = adam_w_mode
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        self.fallback_reason = (
-            _kernel_blocker(first.device if first is not None else None) or "FusedAdamFallback constructed directly"
-        )
+        reason = blocker("fused_adam", first.device if first is not None else None)
+        self.hf_apex_route = KernelRoute("optimizer", FALLBACK, reason=reason or "FusedAdamFallback chosen directly")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -67,7 +66,6 @@ class FusedAdamFallback(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        KERNEL_COUNTER.record("optimizer", FALLBACK, self.fallback_reason)
         for group in self.param_groups:
             if not group["params"]:
                 continue
@@ -106,49 +104,47 @@ class FusedAdamFallback(torch.optim.Optimizer):
             for p, q in zip(params, p32):
                 if p is not q:
                     p.copy_(q)
+        self.hf_apex_route.calls += 1
         return loss
 
 
-@functools.lru_cache
-def _apex_classes() -> dict[str, type]:
-    """Subclasses of apex's optimizers that record each step (defined on first use: needs apex)."""
+@functools.cache
+def apex_optimizer_class(name: str) -> type:
+    """apex's ``FusedAdam`` or ``FusedLAMB``, subclassed to count the steps that ran (needs apex)."""
     from apex.optimizers import FusedAdam, FusedLAMB
 
-    class ApexFusedAdam(FusedAdam):
-        def step(self, *args, **kwargs):
-            KERNEL_COUNTER.record("optimizer", APEX)
-            return super().step(*args, **kwargs)
+    base = {"fused_adam": FusedAdam, "fused_lamb": FusedLAMB}[name]
 
-    class ApexFusedLAMB(FusedLAMB):
-        def step(self, *args, **kwargs):
-            KERNEL_COUNTER.record("optimizer", APEX)
-            return super().step(*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        self.hf_apex_route = KernelRoute("optimizer", APEX)
 
-    return {"fused_adam": ApexFusedAdam, "fused_lamb": ApexFusedLAMB}
+    def step(self, *args, **kwargs):
+        out = base.step(self, *args, **kwargs)
+        self.hf_apex_route.calls += 1
+        return out
 
-
-def _kernel_blocker(device: torch.device | None) -> str | None:
-    """Why apex's optimizer kernels cannot run for parameters on ``device``, or None when they can."""
-    if not is_fused_adam_available():
-        return "apex amp_C extension not available"
-    if device is not None and device.type != "cuda":
-        return f"{device.type} parameters"
-    return None
+    return type(f"Apex{base.__name__}", (base,), {"__init__": __init__, "step": step, "__module__": __name__})
 
 
-def apex_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:
-    """``(optimizer class, kwargs)`` for ``args.apex_optimizer``, in the shape the Trainer's hook returns."""
+def apex_optimizer_cls_and_kwargs(
+    args: Any, model: torch.nn.Module | None = None, choose: Callable[[dict, str | None], str] | None = None
+) -> tuple[type, dict[str, Any]]:
+    """``(optimizer class, kwargs)`` for ``args.apex_optimizer``, in the shape the Trainer's hook returns.
+
+    ``choose(kwargs, blocker) -> "apex" | "torch"`` is autotune (or a decision restored from a checkpoint);
+    ``blocker`` says why apex cannot run here (None when it can). ``"torch"`` means torch's ``AdamW(fused=True)``
+    with the same hyper-parameters; ``"apex"`` means apex's kernel, or FusedAdamFallback (same state layout)
+    where it cannot run.
+    """
     name = args.apex_optimizer
     if name not in APEX_OPTIMIZERS[1:]:
         raise ValueError(f"Unknown apex_optimizer {name!r}; choose one of {APEX_OPTIMIZERS}")
-    kwargs: dict[str, Any] = {
-        "lr": args.learning_rate,
-        "betas": (args.adam_beta1, args.adam_beta2),
-        "eps": args.adam_epsilon,
-    }
+    kwargs: dict[str, Any] = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
+    kwargs["eps"] = args.adam_epsilon
     kwargs.update(args.apex_optimizer_kwargs or {})
     param = next(model.parameters(), None) if model is not None else None
-    blocker = _kernel_blocker(param.device if param is not None else getattr(args, "device", None))
+    reason = blocker("fused_adam", param.device if param is not None else getattr(args, "device", None))
     if name == "fused_lamb":
         if kwargs.get("max_grad_norm", 1.0) > 0 and args.max_grad_norm > 0:
             logger.warning(
@@ -157,68 +153,15 @@ def apex_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = Non
                 kwargs.get("max_grad_norm", 1.0),
                 args.max_grad_norm,
             )
-        if blocker is not None:
-            raise ApexKernelError(
-                f"FusedLAMB has no torch fallback and cannot run here ({blocker}). {APEX_BUILD_HINT}"
-            )
-        return _apex_classes()["fused_lamb"], kwargs
-    if blocker is None:
-        if getattr(args, "autotune", False) and model is not None:
-            backend = autotune_adam(model, kwargs)
-            torch.cuda.empty_cache()  # give back the timing copies of the parameters
-            if backend == "torch":
-                return torch.optim.AdamW, {k: kwargs[k] for k in ("lr", "betas", "eps")} | {"fused": True}
-        return _apex_classes()["fused_adam"], kwargs
+        if reason is not None:
+            raise ApexKernelError(f"FusedLAMB has no torch fallback and cannot run here ({reason}). {fix_for(reason)}")
+        return apex_optimizer_class("fused_lamb"), kwargs
+    if choose is not None and choose(kwargs, reason) == TORCH:
+        return torch.optim.AdamW, {k: kwargs[k] for k in ("lr", "betas", "eps")} | {"fused": True}
+    if reason is None:
+        return apex_optimizer_class("fused_adam"), kwargs
     if getattr(args, "apex_strict_kernels", False):
         raise ApexKernelError(
-            f"FusedAdam: strict kernels are on but apex cannot run here ({blocker}). {APEX_BUILD_HINT}"
+            f"FusedAdam: strict kernels are on but apex cannot run here ({reason}). {fix_for(reason)}"
         )
     return FusedAdamFallback, kwargs
-
-
-AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
-
-
-def autotune_adam(model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
-    """ "apex" or "torch": apex FusedAdam against torch AdamW(fused=True) on copies of the model's parameters.
-
-    Only the AdamW hyper-parameters both implement are compared; other apex options keep apex.
-    """
-    from apex.optimizers import FusedAdam  # the raw class: timing steps are not counted as training steps
-
-    from .autotune import APEX, TORCH, get_autotuner, rel_err, tolerance
-
-    if set(kwargs) - {"lr", "betas", "eps", "weight_decay"}:
-        return APEX
-    params, total = [], 0
-    for p in model.parameters():
-        if p.requires_grad and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
-            params.append(p)
-            total += p.numel() * p.element_size()
-    shapes = sorted((tuple(p.shape), str(p.dtype)) for p in params)
-    key = {
-        "tensors": len(params),
-        "numel": sum(p.numel() for p in params),
-        "shapes": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16],
-    }
-    common = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"], "weight_decay": 0.01}
-    with torch.random.fork_rng(devices=[params[0].device] if params and params[0].is_cuda else []):
-        grads = [torch.randn_like(p) * 1e-3 for p in params]  # without moving the training RNG
-
-    def build(name):
-        copies = [p.detach().clone() for p in params]
-        for c, g in zip(copies, grads):
-            c.grad = g
-        opt = FusedAdam(copies, **common) if name == APEX else torch.optim.AdamW(copies, fused=True, **common)
-        return copies, opt
-
-    def parity(name):
-        (mine, opt), (ref, ref_opt) = build(name), build(TORCH)
-        for _ in range(3):
-            opt.step()
-            ref_opt.step()
-        return all(rel_err(a, b) < tolerance(torch.float32) for a, b in zip(mine, ref))
-
-    steppers = {name: build(name)[1].step for name in (APEX, TORCH)}
-    # All ranks must step with the same implementation, or DDP replicas drift apart.
-    return get_autotuner().choose("optimizer", key, steppers, parity, same_on_all_ranks=True).backend

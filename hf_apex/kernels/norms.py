@@ -1,0 +1,278 @@
+"""Apex-backed norm modules that are drop-in *subclasses* of the modules they replace.
+
+A swapped module is the same instance with its class changed to a subclass of its stock class, so it keeps
+its Parameters (same objects), buffers, hooks, dtype, device, ``state_dict`` keys and ``isinstance``
+relations: a swapped GPT-2 ``ln_1`` is still an ``nn.LayerNorm``, so the Trainer still exempts it from weight
+decay.
+
+The path to the kernel is the cheapest eager one: an ``autograd.Function`` straight over apex's
+``fused_layer_norm_cuda`` extension, with one explicit cast under autocast (apex's semantics: input, weight and
+bias in the autocast dtype, output in that dtype). apex's own entry points dispatch through
+``torch.library.custom_op``, which costs tens of microseconds per call. Which implementation runs is decided
+once per module and input kind (device, dtype, autocast dtype, train/eval) and kept in a
+:class:`~hf_apex.kernels.trace.KernelRoute` that also counts the calls that ran; apex's kernel when it can run,
+else the stock ``forward`` (the exact torch op of the original model), recorded as a fallback with its reason.
+Under ``torch.compile`` and ``torch.jit`` tracing the stock op runs, so Inductor fuses it into the graph.
+
+``print(model)`` shows the new class and the route (``kernel=apex``, ``kernel=torch fallback (...)``).
+A swapped module pickles as its stock class plus the swap, so ``torch.save(model)`` loads in any process that
+can import hf_apex.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+from torch import nn
+
+from .availability import blocker, fix_for
+from .trace import APEX, FALLBACK, KernelRoute
+
+logger = logging.getLogger("hf_apex")
+APEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_ext = None  # apex's fused_layer_norm_cuda; imported when the first apex route is built, never per call
+
+
+class ApexKernelError(RuntimeError):
+    """An apex kernel was required (strict kernels) but cannot run."""
+
+
+def _load_extension() -> None:
+    global _ext
+    if _ext is None:
+        _ext = importlib.import_module("fused_layer_norm_cuda")
+
+
+class _LayerNormAffine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        x = x.contiguous()
+        y, mean, invvar = _ext.forward_affine(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, invvar)
+        ctx.shape, ctx.eps = shape, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, invvar = ctx.saved_tensors
+        dx, dw, db = _ext.backward_affine(dy.contiguous(), mean, invvar, x, ctx.shape, weight, bias, ctx.eps, False)
+        return dx, dw, db, None, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, eps):
+        x = x.contiguous()
+        y, mean, invvar = _ext.forward(x, shape, eps)
+        ctx.save_for_backward(x, mean, invvar)
+        ctx.shape, ctx.eps = shape, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mean, invvar = ctx.saved_tensors
+        return _ext.backward(dy.contiguous(), mean, invvar, x, ctx.shape, ctx.eps, False), None, None
+
+
+class _RMSNormAffine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps):
+        x = x.contiguous()
+        y, invvar = _ext.rms_forward_affine(x, shape, weight, eps)
+        ctx.save_for_backward(x, weight, invvar)
+        ctx.shape, ctx.eps = shape, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, invvar = ctx.saved_tensors
+        dx, dw = _ext.rms_backward_affine(dy.contiguous(), invvar, x, ctx.shape, weight, ctx.eps, False)
+        return dx, dw, None, None
+
+
+@functools.cache
+def _warn_fallback(component: str, reason: str) -> None:  # once per process and reason: a log, not state
+    logger.warning(
+        "hf_apex: %s runs the torch op, not apex's kernel (%s); the count is in the metrics.", component, reason
+    )
+
+
+class _ApexNorm:
+    """What every swapped norm shares: routing, counting, printing and pickling. Subclasses say which
+    component they are and how to call the kernel (``hf_apex_kernel``)."""
+
+    hf_apex_component = "norm"
+    hf_apex_strict: bool = False  # raise instead of falling back
+    hf_apex_compiled: bool = False  # the model will run under torch.compile (only changes what print shows)
+    hf_apex_chooser = None  # autotune: callable(module, x, amp) -> "apex" | "torch", injected by rewire()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return super().forward(x)  # the stock op inside graphs: Inductor fuses it (measured faster than apex's)
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (x.device.type, x.dtype, amp, self.training)
+        route = self.hf_apex_routes.get(key)
+        if route is None:
+            route = self.hf_apex_routes[key] = self._hf_apex_route(x, amp)
+        out = route.run(self, x)
+        route.calls += 1
+        return out
+
+    def _hf_apex_route(self, x: torch.Tensor, amp: torch.dtype | None) -> KernelRoute:
+        component, stock_forward = self.hf_apex_component, stock_class(self).forward
+        reason = blocker(component, x.device) or self._hf_apex_input_blocker(x, amp)
+        if reason is not None:
+            if self.hf_apex_strict:
+                raise ApexKernelError(
+                    f"{type(self).__name__}: apex_strict_kernels is on but apex's {component} kernel cannot run "
+                    f"here ({reason}). {fix_for(reason)}"
+                )
+            _warn_fallback(component, reason)
+            return KernelRoute(component, FALLBACK, stock_forward, reason)
+        _load_extension()
+        backend = APEX if self.hf_apex_chooser is None else self.hf_apex_chooser(self, x, amp)
+        return KernelRoute(component, backend, self.hf_apex_kernel(amp) if backend == APEX else stock_forward)
+
+    def _hf_apex_input_blocker(self, x: torch.Tensor, amp: torch.dtype | None) -> str | None:
+        dtype = amp or x.dtype
+        if dtype not in APEX_DTYPES:
+            return f"{dtype} inputs (apex's norms take fp32, fp16 and bf16)"
+        weight = getattr(self, "weight", None)
+        if amp is None and weight is not None and weight.dtype != x.dtype:
+            return f"input {x.dtype} differs from weight {weight.dtype} outside autocast"
+        return None
+
+    def hf_apex_kernel(self, amp: torch.dtype | None):
+        """``run(module, x)`` calling apex's kernel, casting to ``amp`` first when autocast is on."""
+        raise NotImplementedError
+
+    def hf_apex_reset(self) -> None:
+        """Forget the routes (and their counts): the next call decides again."""
+        self.hf_apex_routes = {}
+
+    def extra_repr(self) -> str:
+        own = super().extra_repr()
+        return f"{own}, kernel={self._hf_apex_describe()}" if own else f"kernel={self._hf_apex_describe()}"
+
+    def _hf_apex_describe(self) -> str:
+        taken = [r for r in self.hf_apex_routes.values() if r.calls]
+        if taken:
+            return ", ".join(sorted({("torch fallback" if r.backend == FALLBACK else r.backend) for r in taken}))
+        weight = next(self.parameters(), None)
+        reason = blocker(self.hf_apex_component, weight.device if weight is not None else None)
+        if reason is not None:
+            return f"torch fallback ({reason})"
+        if self.hf_apex_compiled:
+            return "stock op inside torch.compile"
+        return "apex or torch, autotuned" if self.hf_apex_chooser is not None else "apex"
+
+    # Pickle as "this stock class, swapped": loads wherever hf_apex imports, whatever the class is called.
+    def __reduce_ex__(self, protocol):
+        state = {k: v for k, v in self.__dict__.items() if k not in ("hf_apex_routes", "hf_apex_chooser")}
+        return _rebuild, (stock_class(self), _kind(type(self))), state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.hf_apex_routes = {}
+
+
+class _LayerNormKernel(_ApexNorm):
+    hf_apex_component = "layer_norm"
+
+    def hf_apex_kernel(self, amp):
+        if self.weight is None:
+            return functools.partial(_run_layer_norm, amp=amp)
+        return functools.partial(_run_layer_norm_affine, amp=amp)
+
+
+def _run_layer_norm_affine(m, x, amp):
+    w, b = m.weight, m.bias
+    if amp is not None:
+        x, w, b = x.to(amp), w.to(amp), b.to(amp)
+    return _LayerNormAffine.apply(x, w, b, m.normalized_shape, m.eps)
+
+
+def _run_layer_norm(m, x, amp):
+    return _LayerNorm.apply(x.to(amp) if amp is not None else x, m.normalized_shape, m.eps)
+
+
+class _WeightlessLayerNormKernel(_ApexNorm):
+    """A LayerNorm with neither weight nor bias and a fixed eps (OLMo's), through apex's non-affine kernel."""
+
+    hf_apex_component = "layer_norm"
+    hf_apex_eps = 1e-5
+
+    def hf_apex_kernel(self, amp):
+        return functools.partial(_run_weightless, amp=amp)
+
+
+def _run_weightless(m, x, amp):
+    return _LayerNorm.apply(x.to(amp) if amp is not None else x, tuple(m.normalized_shape), m.hf_apex_eps)
+
+
+class _RMSNormKernel(_ApexNorm):
+    """RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``, HF's Llama/T5 family) through apex's RMS kernel."""
+
+    hf_apex_component = "rms_norm"
+
+    def hf_apex_kernel(self, amp):
+        return functools.partial(_run_rms_norm, amp=amp, shape=tuple(self.weight.shape), eps=rms_norm_eps(self))
+
+
+def _run_rms_norm(m, x, amp, shape, eps):
+    w = m.weight
+    if amp is not None:
+        x, w = x.to(amp), w.to(amp)
+    return _RMSNormAffine.apply(x, w, shape, eps)
+
+
+KINDS = {"layer_norm": _LayerNormKernel, "weightless_layer_norm": _WeightlessLayerNormKernel}
+KINDS["rms_norm"] = _RMSNormKernel
+
+
+def _kind(cls: type) -> str:
+    return next(name for name, mixin in KINDS.items() if issubclass(cls, mixin))
+
+
+def rms_norm_eps(module: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    raise AttributeError(f"{type(module).__name__} has no epsilon attribute")
+
+
+_NAMES: set[str] = set()
+
+
+@functools.cache
+def swapped_class(stock_cls: type, kind: str) -> type:
+    """The apex-backed subclass of ``stock_cls`` for ``kind`` (one class per pair; names are unique)."""
+    name = f"ApexFused{stock_cls.__name__}"
+    if name in _NAMES:  # another stock class of the same name (a fork of a model family, say)
+        name = f"{name}_{stock_cls.__module__.replace('.', '_')}"
+    _NAMES.add(name)
+    return type(name, (KINDS[kind], stock_cls), {"__module__": __name__, "__qualname__": name})
+
+
+def _rebuild(stock_cls: type, kind: str) -> nn.Module:
+    return object.__new__(swapped_class(stock_cls, kind))
+
+
+ApexFusedLayerNorm = swapped_class(nn.LayerNorm, "layer_norm")
+
+
+def stock_class(module: nn.Module) -> type | None:
+    """The original class of a swapped module, or None when ``module`` is not swapped."""
+    cls = type(module)
+    if not issubclass(cls, _ApexNorm):
+        return None
+    return next(base for base in cls.__mro__[1:] if not issubclass(base, _ApexNorm) and base is not object)
+
+
+def is_swapped(module: nn.Module) -> bool:
+    return isinstance(module, _ApexNorm)

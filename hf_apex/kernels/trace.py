@@ -1,0 +1,110 @@
+"""Which implementation ran: per-module call tallies, and the profiler's proof that apex kernels executed.
+
+A swapped norm keeps one :class:`KernelRoute` per input kind (device, dtype, autocast, train/eval) and an
+optimizer built by hf_apex keeps one: each says which backend runs (``"apex"``; ``"torch"`` when autotune
+measured torch's op faster; ``"fallback"`` when apex cannot run, with the reason) and counts the calls that
+*returned*. Tallies live on the modules and optimizers themselves, so two models or two trainers in one process
+never mix their counts; :func:`collect` sums them for a run. No lock, no global, no dictionary update per call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+
+APEX, TORCH, FALLBACK = "apex", "torch", "fallback"
+
+
+class KernelRoute:
+    """One decision ("which implementation runs for this kind of input") and how often it ran."""
+
+    __slots__ = ("component", "backend", "reason", "run", "calls")
+
+    def __init__(self, component: str, backend: str, run: Callable | None = None, reason: str | None = None):
+        self.component, self.backend, self.run, self.reason, self.calls = component, backend, run, reason, 0
+
+    def __repr__(self) -> str:
+        why = f": {self.reason}" if self.reason else ""
+        return f"{self.backend}{why}"
+
+
+def routes(model: torch.nn.Module | None = None, optimizer=None) -> Iterable[KernelRoute]:
+    """Every route of the swapped norms in ``model`` and of ``optimizer`` (an accelerate wrapper is looked through)."""
+    if model is not None:
+        for module in model.modules():
+            yield from getattr(module, "hf_apex_routes", {}).values()
+    inner = getattr(optimizer, "optimizer", optimizer)
+    route = getattr(inner, "hf_apex_route", None)
+    if route is not None:
+        yield route
+
+
+def collect(model: torch.nn.Module | None = None, optimizer=None) -> dict[tuple, int]:
+    """Call counts keyed by ``(component, backend, reason)``: a snapshot to subtract from a later one."""
+    out: dict[tuple, int] = {}
+    for r in routes(model, optimizer):
+        key = (r.component, r.backend, r.reason)
+        out[key] = out.get(key, 0) + r.calls
+    return out
+
+
+def calls_since(now: dict[tuple, int], before: dict[tuple, int]) -> dict[str, dict]:
+    """``{component: {"apex": n, "fallback": n, "torch": n (autotune chose torch), "fallback_reasons": {...}}}``
+    for the calls between two :func:`collect` snapshots; components without calls are left out."""
+    out: dict[str, dict] = {}
+    for (component, backend, reason), n in sorted(now.items(), key=lambda kv: str(kv[0])):
+        n -= before.get((component, backend, reason), 0)
+        if n <= 0:
+            continue
+        entry = out.setdefault(component, {APEX: 0, FALLBACK: 0, "fallback_reasons": {}})
+        entry[backend] = entry.get(backend, 0) + n
+        if backend == FALLBACK:
+            entry["fallback_reasons"][reason or "unknown"] = entry["fallback_reasons"].get(reason or "unknown", 0) + n
+    return out
+
+
+# -- profiler proof ------------------------------------------------------------------------------------------
+# Kernel-name patterns of apex's extensions (csrc/layer_norm_cuda_kernel.cu, csrc/multi_tensor_adam.cu,
+# csrc/multi_tensor_lamb.cu). torch's own kernels live in at::native and are named differently
+# (vectorized_layer_norm_kernel, FusedAdamMathFunctor, ...), so they never match.
+APEX_KERNELS: dict[str, re.Pattern] = {
+    "layer_norm": re.compile(r"\bcu(ApplyLayerNorm|ComputePartGradGammaBeta|ComputeGradGammaBeta|ComputeGradInput)\b"),
+    "rms_norm": re.compile(r"\bcuApplyRMSNorm\b"),
+    "fused_adam": re.compile(r"(?<![\w:])Adam(Capturable)?(Master)?Functor<"),
+    "fused_lamb": re.compile(r"\bLAMBStage[12]Functor<"),
+}
+
+
+def classify_kernels(names) -> dict[str, list[str]]:
+    """Map component -> sorted apex kernel names found among ``names``."""
+    found: dict[str, set[str]] = {}
+    for name in names:
+        for component, pattern in APEX_KERNELS.items():
+            if pattern.search(name):
+                found.setdefault(component, set()).add(name if len(name) <= 120 else name[:117] + "...")
+    return {k: sorted(v) for k, v in found.items()}
+
+
+class KernelProfile:
+    """Profile a region; ``stop()`` returns {"apex": {component: [kernels]}, "cuda_kernels": n}."""
+
+    def __init__(self) -> None:
+        self._prof = None
+        self.running = False
+
+    def start(self) -> KernelProfile:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof.__enter__()
+        self.running = True
+        return self
+
+    def stop(self) -> dict:
+        torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.running = False
+        names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {"apex": classify_kernels(names), "cuda_kernels": len(names)}

@@ -1,0 +1,137 @@
+"""The run summary written to ``<output_dir>/hf_apex_metrics.json``, its provenance, and the file itself."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..kernels.availability import environment, portable_path
+from .flops import MFU_FORMULA, flops_per_token
+from .steps import StepRecord
+
+METRICS_FILENAME = "hf_apex_metrics.json"
+GIB = 2**30
+
+
+def percentiles(values: list[float], qs=(50, 20, 80)) -> dict[str, float]:
+    if not values:
+        return {}
+    t = torch.tensor(values, dtype=torch.float64)
+    return {f"p{q}": float(torch.quantile(t, q / 100.0)) for q in qs} | {"mean": float(t.mean())}
+
+
+def _portable_arg(arg: str) -> str:
+    flag, eq, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    return f"{flag}{eq}{portable_path(value)}" if value.startswith("/") else arg
+
+
+def command_line() -> str:
+    """This process's command line, with paths made repository-relative (no machine layout in the record)."""
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *map(_portable_arg, sys.argv)])
+
+
+def provenance() -> dict:
+    """Date, command line, GPU, versions and the apex build of this process."""
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"date": when, "command": command_line(), **environment()}
+
+
+def rates(records: list[StepRecord], shape: dict, peak_tflops: float | None, world: int) -> dict:
+    """Tokens/s and samples/s over ``records``, and MFU when the FLOPs and the peak are known. MFU counts the
+    positions the GPUs computed, padding included, each step at its own sequence length; tokens/s counts real
+    tokens only."""
+    secs = sum(r.ms for r in records) / 1e3
+    out = {
+        "tokens_per_s": sum(r.tokens for r in records) / secs if secs else None,
+        "samples_per_s": sum(r.samples for r in records) / secs if secs else None,
+        "mfu": None,
+    }
+    flops = [flops_per_token(shape, r.seq_len) if shape else None for r in records]
+    if peak_tflops and secs and flops and all(f is not None for f in flops):
+        total = sum(f * (r.positions or r.tokens) for f, r in zip(flops, records))
+        out["mfu"] = total / secs / (peak_tflops * 1e12 * world)
+    return out
+
+
+def run_summary(
+    *,
+    stage: str | None,
+    args,
+    state,
+    records: list[StepRecord],
+    timed: list[StepRecord],
+    shape: dict,
+    peak_tflops: float | None,
+    peak_memory: list[float] | None,
+    calls: dict,
+    profiled: dict | None,
+    optimizer: str | None,
+    started: float | None,
+    sections: dict,
+) -> dict:
+    """The run summary: timing after warm-up, throughput, MFU, memory, losses, kernels, provenance."""
+    world = max(getattr(args, "world_size", 1), 1)
+    losses = [{"step": h["step"], "loss": h["loss"]} for h in state.log_history if "loss" in h]
+    model = sections.pop("model", {})
+    kernels = sections.pop("kernels", {})
+    return {
+        "stage": stage,
+        "model": {**model, **shape},
+        "run": {
+            # the batch that ran (auto_find_batch_size may have lowered the requested one)
+            "per_device_train_batch_size": getattr(state, "train_batch_size", None)
+            or args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "world_size": world,
+            "seq_len": max((r.seq_len for r in records), default=None),
+            "steps": len(records),
+            "timed_steps": len(timed),
+            "warmup_steps": len(records) - len(timed),
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "tf32": args.tf32,
+            "fp32_matmul_precision": torch.get_float32_matmul_precision(),  # what ran, whatever was asked
+            "optimizer": optimizer,
+            "torch_compile": bool(getattr(args, "torch_compile", False)),
+            # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
+            "first_step_ms": records[0].ms if records else None,
+            "seed": args.seed,
+            "wall_time_s": time.time() - started if started else None,
+        },
+        "step_time_ms": percentiles([r.ms for r in timed]),
+        **rates(timed, shape, peak_tflops, world),
+        "peak_tflops": peak_tflops,
+        "mfu_formula": MFU_FORMULA,
+        "peak_memory_allocated_gib": peak_memory[0] / GIB if peak_memory else None,
+        "peak_memory_reserved_gib": peak_memory[1] / GIB if peak_memory else None,
+        "skipped_steps": sum(r.skipped for r in records),
+        "loss": {"first": losses[0]["loss"] if losses else None, "last": losses[-1]["loss"] if losses else None},
+        "loss_history": losses,
+        "kernels": {"calls": calls, "profiled": profiled, **kernels},
+        **sections,
+        "steps_ms": [round(r.ms, 4) for r in records],
+        "provenance": provenance(),
+    }
+
+
+def write_metrics_file(output_dir: str | os.PathLike, data: dict) -> Path:
+    """Write ``<output_dir>/hf_apex_metrics.json`` atomically (a crash never leaves half a file)."""
+    path = Path(output_dir) / METRICS_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def update_metrics_file(output_dir: str | os.PathLike, **sections) -> Path:
+    """Merge ``sections`` (e.g. ``eval={...}``) into the run's metrics JSON."""
+    path = Path(output_dir) / METRICS_FILENAME
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return write_metrics_file(output_dir, {**data, **sections})

@@ -1,0 +1,109 @@
+"""The same training as a `recipes/finetune.py` run, in a plain PyTorch loop: the reference for the Trainer's cost.
+
+    python recipes/plain_loop.py OUT.json <the recipes/finetune.py flags of the run to mirror>
+
+`make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model,
+data, collator and shuffling; the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
+schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16) and
+`torch.compile`; `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the
+host every `--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
+step starts, CUDA events read at the end), and written with the losses to OUT.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import finetune  # recipes/ is the script's folder, so it is on sys.path
+import torch
+from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
+
+from hf_apex import ApexTrainingArguments, rewire
+from hf_apex.autotune import Autotuner, DecisionCache
+from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
+from hf_apex.measure.report import percentiles
+from hf_apex.measure.steps import StepTimer
+
+
+def main(out_json: str, argv: list[str]) -> dict:
+    parser = HfArgumentParser((finetune.ScriptArguments, ApexTrainingArguments))
+    script_args, args = parser.parse_args_into_dataclasses(argv)
+    set_seed(args.seed)
+    tokenizer = finetune.load_tokenizer(script_args)
+    model = finetune.load_model(script_args, tokenizer)
+    prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2
+    train_ds, _, collator, _ = prepare(script_args, finetune.load_raw_data(script_args), tokenizer, model, args)
+    device = args.device
+    model.to(device).train()
+
+    # The Trainer's choices: apex kernels (autotuned or not), decay groups, optimizer, schedule, compile.
+    tuner = Autotuner(DecisionCache(args.autotune_cache)) if args.autotune else None
+    if args.apex_fused_norms:
+        rewire(model, chooser=tuner.choose_norm if tuner else None, compiled=args.torch_compile)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    if args.apex_optimizer != "none":
+        choose = (lambda kwargs, blocked: tuner.choose_optimizer(model, kwargs, blocked)) if tuner else None
+        opt_cls, kwargs = apex_optimizer_cls_and_kwargs(args, model, choose)
+    else:
+        opt_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    optimizer = opt_cls(groups, **kwargs)
+    steps = args.max_steps
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.get_warmup_steps(steps), steps)
+    if args.torch_compile:  # as the Trainer does (through accelerate): compile the model, not the optimizer
+        model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+
+    cuda = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(
+        train_ds,
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),
+        collate_fn=collator,
+        drop_last=args.dataloader_drop_last,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=cuda and args.dataloader_pin_memory,
+    )
+    amp = torch.bfloat16 if args.bf16 else torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    timer, losses = StepTimer(cuda), []
+    for step in range(1, steps + 1):
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        timer.start()
+        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        if args.max_grad_norm > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
+        timer.stop()
+        losses.append(loss.detach())
+        if step % args.logging_steps == 0:
+            float(loss)  # the Trainer reads the loss when it logs; so does this loop
+    ms = timer.drain(final=True)
+    result = {
+        "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),
+        "steps_ms": [round(m, 4) for m in ms],
+        "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "losses": [float(v) for v in losses],
+    }
+    Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
