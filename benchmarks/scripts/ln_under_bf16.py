@@ -12,11 +12,11 @@ import sys
 
 import torch
 import transformers
-from hf_apex.metrics import provenance
-from hf_apex.optim import _apex_classes
 from torch.profiler import ProfilerActivity, profile
 
 from hf_apex import rewire
+from hf_apex.kernels.optim import apex_optimizer_class
+from hf_apex.measure.report import provenance
 
 MODELS = {
     "bert-base 128x128": (
@@ -33,7 +33,7 @@ def run(build, batch, seq, apex_ln, steps=30, warmup=10):
     model = build().cuda().train()
     if apex_ln:
         rewire(model, strict_kernels=True)
-    opt = _apex_classes()["fused_adam"](model.parameters(), lr=1e-4)
+    opt = apex_optimizer_class("fused_adam")(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     labels = ids if seq == 1024 else torch.randint(0, 2, (batch,), device="cuda")
 
