@@ -47,9 +47,15 @@ def _load_extension() -> None:
         _ext = importlib.import_module("fused_layer_norm_cuda")
 
 
+# Autograd functions straight over apex's extension. Under autocast (``amp``) each casts its input, weight and bias
+# to the autocast dtype inside ``forward`` and casts the gradients back inside ``backward`` (apex's semantics, with
+# one autograd node per norm call instead of one per cast).
 class _LayerNormAffine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps):
+    def forward(ctx, x, weight, bias, shape, eps, amp):
+        ctx.dtypes = x.dtype, weight.dtype, bias.dtype
+        if amp is not None:
+            x, weight, bias = x.to(amp), weight.to(amp), bias.to(amp)
         x = x.contiguous()
         y, mean, invvar = _ext.forward_affine(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, invvar)
@@ -60,13 +66,15 @@ class _LayerNormAffine(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, invvar = ctx.saved_tensors
         dx, dw, db = _ext.backward_affine(dy.contiguous(), mean, invvar, x, ctx.shape, weight, bias, ctx.eps, False)
-        return dx, dw, db, None, None
+        tx, tw, tb = ctx.dtypes
+        return dx.to(tx), dw.to(tw), db.to(tb), None, None, None
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shape, eps):
-        x = x.contiguous()
+    def forward(ctx, x, shape, eps, amp):
+        ctx.dtype = x.dtype
+        x = (x.to(amp) if amp is not None else x).contiguous()
         y, mean, invvar = _ext.forward(x, shape, eps)
         ctx.save_for_backward(x, mean, invvar)
         ctx.shape, ctx.eps = shape, eps
@@ -75,12 +83,16 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, mean, invvar = ctx.saved_tensors
-        return _ext.backward(dy.contiguous(), mean, invvar, x, ctx.shape, ctx.eps, False), None, None
+        dx = _ext.backward(dy.contiguous(), mean, invvar, x, ctx.shape, ctx.eps, False)
+        return dx.to(ctx.dtype), None, None, None
 
 
 class _RMSNormAffine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, shape, eps):
+    def forward(ctx, x, weight, shape, eps, amp):
+        ctx.dtypes = x.dtype, weight.dtype
+        if amp is not None:
+            x, weight = x.to(amp), weight.to(amp)
         x = x.contiguous()
         y, invvar = _ext.rms_forward_affine(x, shape, weight, eps)
         ctx.save_for_backward(x, weight, invvar)
@@ -91,7 +103,8 @@ class _RMSNormAffine(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, invvar = ctx.saved_tensors
         dx, dw = _ext.rms_backward_affine(dy.contiguous(), invvar, x, ctx.shape, weight, ctx.eps, False)
-        return dx, dw, None, None
+        tx, tw = ctx.dtypes
+        return dx.to(tx), dw.to(tw), None, None, None
 
 
 @functools.cache
@@ -190,14 +203,11 @@ class _LayerNormKernel(_ApexNorm):
 
 
 def _run_layer_norm_affine(m, x, amp):
-    w, b = m.weight, m.bias
-    if amp is not None:
-        x, w, b = x.to(amp), w.to(amp), b.to(amp)
-    return _LayerNormAffine.apply(x, w, b, m.normalized_shape, m.eps)
+    return _LayerNormAffine.apply(x, m.weight, m.bias, m.normalized_shape, m.eps, amp)
 
 
 def _run_layer_norm(m, x, amp):
-    return _LayerNorm.apply(x.to(amp) if amp is not None else x, m.normalized_shape, m.eps)
+    return _LayerNorm.apply(x, m.normalized_shape, m.eps, amp)
 
 
 class _WeightlessLayerNormKernel(_ApexNorm):
@@ -211,7 +221,7 @@ class _WeightlessLayerNormKernel(_ApexNorm):
 
 
 def _run_weightless(m, x, amp):
-    return _LayerNorm.apply(x.to(amp) if amp is not None else x, tuple(m.normalized_shape), m.hf_apex_eps)
+    return _LayerNorm.apply(x, tuple(m.normalized_shape), m.hf_apex_eps, amp)
 
 
 class _RMSNormKernel(_ApexNorm):
@@ -224,10 +234,7 @@ class _RMSNormKernel(_ApexNorm):
 
 
 def _run_rms_norm(m, x, amp, shape, eps):
-    w = m.weight
-    if amp is not None:
-        x, w = x.to(amp), w.to(amp)
-    return _RMSNormAffine.apply(x, w, shape, eps)
+    return _RMSNormAffine.apply(x, m.weight, shape, eps, amp)
 
 
 KINDS = {"layer_norm": _LayerNormKernel, "weightless_layer_norm": _WeightlessLayerNormKernel}

@@ -1,0 +1,114 @@
+"""The autograd functions over apex's extension: right values, right gradients, apex's autocast semantics (input,
+weight and bias cast to the autocast dtype, output in it, gradients back in the parameters' dtypes). Checked on
+CPU with a stand-in for `fused_layer_norm_cuda` built from torch's own ops; tests/gpu/ runs the real kernels."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_apex import rewire
+from hf_apex.kernels import norms, trace
+
+
+class TorchExtension:
+    """The calls hf_apex makes into `fused_layer_norm_cuda`, computed with torch's ops."""
+
+    @staticmethod
+    def forward_affine(x, shape, w, b, eps):
+        return torch.native_layer_norm(x, shape, w, b, eps)
+
+    @staticmethod
+    def backward_affine(dy, mean, invvar, x, shape, w, b, eps, memory_efficient):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, invvar, w, b, [True, True, True])
+
+    @staticmethod
+    def forward(x, shape, eps):
+        return torch.native_layer_norm(x, shape, None, None, eps)
+
+    @staticmethod
+    def backward(dy, mean, invvar, x, shape, eps, memory_efficient):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, invvar, None, None, [True, False, False])[
+            0
+        ]
+
+    @staticmethod
+    def rms_forward_affine(x, shape, w, eps):
+        invvar = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return (x.float() * invvar).to(x.dtype) * w, invvar
+
+    @staticmethod
+    def rms_backward_affine(dy, invvar, x, shape, w, eps, memory_efficient):
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = TorchExtension.rms_forward_affine(x, shape, w, eps)[0]
+        return torch.autograd.grad(y, [x, w], dy)
+
+
+@pytest.fixture
+def torch_extension(monkeypatch):
+    monkeypatch.setattr(norms, "_ext", TorchExtension)
+
+
+def _reference(fn, x, params, amp, dy):
+    x = x.detach().clone().requires_grad_(True)
+    params = [p.detach().clone().requires_grad_(True) for p in params]
+    cast = [t.to(amp) if amp else t for t in (x, *params)]
+    y = fn(*cast)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), [x.grad, *(p.grad for p in params)]
+
+
+def _ours(apply, x, params, amp, dy):
+    x = x.detach().clone().requires_grad_(True)
+    params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    y = apply(x, *params, amp)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), [x.grad, *(p.grad for p in params)]
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("kind", ["layer_norm", "layer_norm_weightless", "rms_norm"])
+def test_functions_compute_the_norm_and_its_gradients(torch_extension, kind, amp):
+    torch.manual_seed(0)
+    hidden, eps = 64, 1e-5
+    x, dy = torch.randn(4, 8, hidden) * 2 + 1, torch.randn(4, 8, hidden)
+    w, b = torch.randn(hidden) * 0.2 + 1, torch.randn(hidden) * 0.2
+    if kind == "layer_norm":
+        params = [w, b]
+        ref = lambda x, w, b: F.layer_norm(x, (hidden,), w, b, eps)  # noqa: E731
+        apply = lambda x, w, b, amp: norms._LayerNormAffine.apply(x, w, b, (hidden,), eps, amp)  # noqa: E731
+    elif kind == "layer_norm_weightless":
+        params = []
+        ref = lambda x: F.layer_norm(x, (hidden,), eps=eps)  # noqa: E731
+        apply = lambda x, amp: norms._LayerNorm.apply(x, (hidden,), eps, amp)  # noqa: E731
+    else:
+        params = [w]
+        ref = lambda x, w: TorchExtension.rms_forward_affine(x, (hidden,), w, eps)[0]  # noqa: E731
+        apply = lambda x, w, amp: norms._RMSNormAffine.apply(x, w, (hidden,), eps, amp)  # noqa: E731
+    want_y, want_grads = _reference(ref, x, params, amp, dy)
+    got_y, got_grads = _ours(apply, x, params, amp, dy)
+    assert got_y.dtype == (amp or torch.float32)  # apex's semantics: the norm runs in the autocast dtype
+    torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
+    for got, want in zip(got_grads, want_grads):
+        assert got.dtype == torch.float32  # gradients come back in the dtypes of the input and the parameters
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+
+
+def test_a_swapped_model_routes_to_the_kernel_once_per_input_kind(torch_extension, monkeypatch):
+    monkeypatch.setattr(norms, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
+    monkeypatch.setattr(norms, "_load_extension", lambda: None)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 8)
+    want = model(x)
+    rewire(model)
+    for _ in range(3):
+        got = model(x)
+    torch.testing.assert_close(got, want)
+    routes = model[1].hf_apex_routes
+    assert list(routes) == [("cpu", torch.float32, None, True)] and routes[next(iter(routes))].calls == 3
+    assert trace.calls_since(trace.collect(model), {})["layer_norm"] == {
+        "apex": 6,
+        "fallback": 0,
+        "fallback_reasons": {},
+    }
+    assert repr(model[1]).endswith("kernel=apex)")
