@@ -40,11 +40,11 @@ def test_swapped_norms_cost_at_most_5_percent_on_a_host_bound_bert_step():
     batch = {"input_ids": ids.cuda(), "attention_mask": torch.ones_like(ids).cuda(), "labels": (ids[:, 0] % 2).cuda()}
     step_times(model, optimizer, batch, 10)  # warm-up: cuBLAS, allocator
     native, swapped = [], []
-    for _ in range(3):  # alternate, so drift of the clocks hits both
+    for _ in range(4):  # alternate, so drift of the clocks and host jitter hit both
         unrewire(model)
-        native += step_times(model, optimizer, batch, 20)
+        native += step_times(model, optimizer, batch, 25)
         rewire(model, strict_kernels=True)
-        swapped += step_times(model, optimizer, batch, 20)
+        swapped += step_times(model, optimizer, batch, 25)
     assert trace.calls_since(trace.collect(model), {})["layer_norm"]["apex"] > 0
     ratio = statistics.median(swapped) / statistics.median(native)
     native_ms, swapped_ms = statistics.median(native), statistics.median(swapped)
