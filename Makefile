@@ -24,13 +24,14 @@ BENCH_ARGS ?=
 
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
-.PHONY: help install apex doctor bench test test-gpu lint style clean
+.PHONY: help install apex doctor bench test test-gpu test-perf lint style clean
 
 help:
 	@echo "make install     install hf_apex (+dev and plot extras); installs torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder for BERT, GPT-2 and Llama: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
-	@echo "make test-gpu    GPU tests (pytest -m gpu): needs CUDA and apex's kernels"
+	@echo "make test-gpu    GPU tests (pytest -m 'gpu and not perf'): needs CUDA and apex's kernels"
+	@echo "make test-perf   timing assertions on the GPU (pytest -m perf)"
 	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>)"
 	@echo "make doctor      which apex kernels are available, with a runtime proof"
 	@echo "make lint        ruff check + format check;  make style: fix both"
@@ -60,7 +61,10 @@ test: install
 	$(PYTHON) -m pytest -m "not gpu" tests $(PYTEST_ARGS)
 
 test-gpu: install
-	$(PYTHON) -m pytest -m gpu tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -m "gpu and not perf" tests $(PYTEST_ARGS)
+
+test-perf: install
+	$(PYTHON) -m pytest -m perf tests $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -1,6 +1,7 @@
 """The integration costs nothing measurable: on BERT-base at 128 x 128 in BF16 (a host-bound step on a Hopper GPU,
 where per-call host work shows up one for one), a step with hf_apex's swapped LayerNorms is within 5 % of the
-same model with torch's native LayerNorm. A benchmark-style assertion: GPU only, never in CI."""
+same model with torch's native LayerNorm. A timing assertion, so marked `perf`: `make test-perf` runs it on a GPU;
+neither CI nor `make test-gpu` does (a shared host's jitter is of the same order as the margin)."""
 
 import statistics
 
@@ -12,7 +13,7 @@ from hf_apex import rewire, unrewire
 from hf_apex.kernels import trace
 from tests.testing_utils import require_apex, require_cuda
 
-pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
+pytestmark = [pytest.mark.gpu, pytest.mark.perf, require_cuda, require_apex]
 
 
 def step_times(model, optimizer, batch, steps):
