@@ -142,3 +142,11 @@ def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_p
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["world_size"] == 2 and row["plain_loop_ms_p50"] is None
     assert "2 processes per run (DDP)" in out.stdout
+
+
+def test_published_benchmarks_hold_no_machine_paths():
+    """Everything under benchmarks/ is meant to be read elsewhere: paths are repository-relative."""
+    for path in (REPO / "benchmarks").rglob("*"):
+        if path.suffix in (".json", ".md", ".csv", ".py"):
+            found = re.findall(r"(?<![\w.])/(?:work|tmp|root|home|opt|usr|srv|mnt)/[^\s\"')]*", path.read_text())
+            assert not found, f"{path.relative_to(REPO)}: {found[:3]}"
