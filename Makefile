@@ -27,7 +27,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 .PHONY: help install apex doctor bench test test-gpu test-perf lint style clean
 
 help:
-	@echo "make install     install hf_apex (+dev and plot extras); installs torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
+	@echo "make install     install hf_apex (+dev and plot extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder for BERT, GPT-2 and Llama: table, CSV/JSON and chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m 'gpu and not perf'): needs CUDA and apex's kernels"
@@ -36,9 +36,17 @@ help:
 	@echo "make doctor      which apex kernels are available, with a runtime proof"
 	@echo "make lint        ruff check + format check;  make style: fix both"
 
+# Where hf_apex is installed from (asked from /, so this checkout's own folder does not answer); FORCE_INSTALL=1
+# reinstalls anyway.
+INSTALLED_FROM = $(shell cd / && $(PYTHON) -c "import hf_apex, os; print(os.path.dirname(os.path.dirname(os.path.realpath(hf_apex.__file__))))" 2>/dev/null)
+
 install:
+ifeq ($(INSTALLED_FROM)$(FORCE_INSTALL),$(realpath $(CURDIR)))
+	@echo "hf_apex is installed from this checkout (make install FORCE_INSTALL=1 reinstalls)"
+else
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "torch==$(TORCH_VERSION)"
 	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev,plot])"
+endif
 
 apex: install
 	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) $(if $(APEX_SRC),--src $(APEX_SRC),)

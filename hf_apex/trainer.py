@@ -96,6 +96,12 @@ class ApexTrainer(Trainer):
         if not isinstance(self.args, ApexTrainingArguments):
             return
         validate_apex_args(self.args)
+        if self.args.device.type == "cpu" and (self.args.bf16 or self.args.fp16):
+            logger.warning(
+                "hf_apex: %s autocast on the CPU is often far slower than FP32 (10-20x was measured on a 2-core "
+                "machine); on a CPU prefer an FP32 stage (baseline, fused_adam, fused_adam_ln).",
+                "BF16" if self.args.bf16 else "FP16",
+            )
         if self.args.autotune:
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
         if self.model_init is None:

@@ -143,33 +143,55 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict
     return paths
 
 
+# Bar colours by what ran: torch only, apex kernels (alone or with torch where autotune chose it), torch fallbacks.
+COLOURS = {"torch": "#888888", "apex": "#76b900", "apex+torch": "#4f8a10", "fallback": "#e69f00"}
+
+
 def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
-    """Step time and peak VRAM per stage, one pair of panels per model (needs the `plot` extra)."""
+    """Step time (p50, whiskers p20-p80) and peak VRAM per stage, one pair of panels per model, bars coloured by
+    what ran (fallback bars hatched and named in the legend). Needs the `plot` extra."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         return None
     models = list(dict.fromkeys(r.model for r in rows))
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.4 * len(models)), squeeze=False)
     for ax_row, model in zip(axes, models):
         mine = [r for r in rows if r.model == model]
         stages = [r.stage for r in mine]
-        for ax, values, label in (
-            (ax_row[0], [r.step_time_ms_p50 or 0 for r in mine], "step time p50 (ms)"),
-            (ax_row[1], [r.peak_memory_allocated_gib or 0 for r in mine], "peak VRAM allocated (GiB)"),
+        colours = [COLOURS.get(r.backend, "#888888") for r in mine]
+        hatches = ["//" if r.backend == "fallback" else "" for r in mine]
+        step = [r.step_time_ms_p50 for r in mine]
+        whiskers = [
+            [(r.step_time_ms_p50 or 0) - (r.step_time_ms_p20 or r.step_time_ms_p50 or 0) for r in mine],
+            [(r.step_time_ms_p80 or r.step_time_ms_p50 or 0) - (r.step_time_ms_p50 or 0) for r in mine],
+        ]
+        memory = [r.peak_memory_allocated_gib for r in mine]
+        for ax, values, errors, label in (
+            (ax_row[0], step, whiskers, "step time ms, p50 (p20-p80)"),
+            (ax_row[1], memory, None, "peak VRAM allocated, GiB"),
         ):
             ax.set_title(f"{model}: {label}", fontsize=10)
-            if not any(values):
-                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
-                ax.set_yticks([])
-            bars = ax.bar(stages, values, color=["#888888"] + ["#76b900"] * (len(stages) - 1))
-            ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.tick_params(axis="x", labelsize=8, rotation=15)
+            if all(v is None for v in values):  # a CPU run has no VRAM: say so instead of drawing zeros
+                ax.set_xticks(range(len(stages)), stages)
+                ax.set_xlim(-0.5, len(stages) - 0.5)
+                ax.set_yticks([])
+                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
+                continue
+            bars = ax.bar(stages, [v or 0 for v in values], color=colours, hatch=hatches, yerr=errors, capsize=3)
+            ax.bar_label(bars, labels=[_f(v, ".1f") for v in values], fontsize=8, label_type="center")
+    present = dict.fromkeys(r.backend for r in rows)
+    names = {"torch": "torch only", "apex": "apex kernels", "apex+torch": "apex + torch (autotune)"}
+    names["fallback"] = "torch fallback (no apex kernel ran)"
+    handles = [Patch(color=COLOURS[b], hatch="//" if b == "fallback" else "", label=names[b]) for b in present]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle("\n".join(textwrap.wrap(title, 110)) if title else "hf_apex stages", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

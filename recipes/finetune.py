@@ -4,18 +4,19 @@ Tasks: `sst2` (sequence classification, accuracy on the dev split) and `wikitext
 fixed blocks, perplexity on the validation split). Every `TrainingArguments` / `ApexTrainingArguments` flag
 works; `python recipes/finetune.py --help` lists them all.
 
-    # Online: models and datasets from the Hugging Face Hub
-    python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full \
-        --output_dir out/sst2
-    python recipes/finetune.py --task wikitext2 --model_name_or_path gpt2 --stage fused_full --output_dir out/wt2
-
     # Offline (HF_HUB_OFFLINE=1): local data files, a local tokenizer, and a config to train from scratch
     python recipes/finetune.py --task sst2 --data_dir ../shared/data --model_type bert \
-        --tokenizer_name ../shared/data/tokenizers/bert-base-uncased --stage fused_full --output_dir out/sst2
+        --tokenizer_name ../shared/data/tokenizers/bert-base-uncased --stage fused_full --max_steps 300 \
+        --output_dir out/sst2
     python recipes/finetune.py --task wikitext2 --data_dir ../shared/data --model_type gpt2 \
-        --tokenizer_name ../shared/data/tokenizers/gpt2 --block_size 1024 --stage fused_full --output_dir out/wt2
+        --tokenizer_name ../shared/data/tokenizers/gpt2 --block_size 1024 --stage fused_full --max_steps 200 \
+        --output_dir out/wt2
 
-    Without a GPU add --use_cpu (the mixed-precision stages then autocast to BF16 on the CPU).
+    # Online: models and datasets from the Hugging Face Hub
+    python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full \
+        --max_steps 300 --output_dir out/sst2-hub
+
+    On a CPU add --use_cpu and take an FP32 stage (fused_adam_ln): BF16 autocast on a CPU is often 10-20x slower.
 
 `--data_dir` holds `sst2/{train,dev}.tsv` (columns `sentence`, `label`) and/or
 `wikitext-2/{train,valid}.txt`. The eval accuracy or perplexity is written into
@@ -73,6 +74,11 @@ class InputError(ValueError):
     """Bad flags or data, found before training: reported as one line, without a traceback."""
 
 
+class Parser(HfArgumentParser):
+    def error(self, message):  # a typo gets one line with the valid choices, not the whole usage
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
 @dataclass
 class ScriptArguments:
     """What to train on: the task, its data and the model (flags follow the HF example scripts)."""
@@ -109,7 +115,7 @@ class ScriptArguments:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = HfArgumentParser((ScriptArguments, ApexTrainingArguments))
+    parser = Parser((ScriptArguments, ApexTrainingArguments))
     try:
         script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as exc:  # an inconsistent combination of TrainingArguments

@@ -30,4 +30,8 @@ def test_console_script_and_module_entry_points():
     assert out.returncode == 0, out.stderr
     assert set(json.loads(out.stdout)["backends"]) == {"fused_adam", "fused_lamb", "layer_norm", "rms_norm"}
     assert cli.main(["--help"]) == 0
-    assert cli.main(["bogus"]) == 2
+
+
+def test_a_command_typo_says_so(capsys):
+    assert cli.main(["doctr"]) == 2
+    assert capsys.readouterr().err.strip() == "hf-apex: error: unknown command 'doctr' (choose from: doctor)"

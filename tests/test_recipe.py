@@ -233,3 +233,21 @@ def test_sequences_longer_than_the_model_are_refused(task, flag, generated_data,
     with pytest.raises(ValueError, match=f"{flag} 256 is longer than the model's maximum of 128"):
         finetune.main(recipe_args(task, generated_data, word_tokenizer, tmp_path / "out", flag, "256"))
     assert not (tmp_path / "out").exists()
+
+
+def test_strict_kernels_without_a_gpu_fail_before_anything_loads(tmp_path):
+    """The real blocker (no GPU), in one line, before the tokenizer (here one that does not exist) is even read."""
+    out = run_cli(
+        *["--task", "sst2", "--model_type", "bert", "--tokenizer_name", str(tmp_path / "no-tokenizer")],
+        *["--stage", "fused_full", "--apex_strict_kernels", "--use_cpu", "--output_dir", str(tmp_path / "out")],
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("finetune.py: error: apex_strict_kernels=True") and "no CUDA GPU" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_typo_gets_a_short_error_with_the_choices():
+    out = run_cli("--stage", "fused")
+    assert out.returncode == 2 and "invalid choice: 'fused'" in out.stderr and "fused_full" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -347,3 +347,13 @@ def test_the_training_loop_does_not_sync_per_micro_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(model, "num_parameters", lambda **kw: counted.append(1) or real(**kw))
     ApexTrainer(model=model, args=args, train_dataset=TokenDataset()).train()
     assert len(counted) == 1
+
+
+def test_autocast_on_the_cpu_warns_that_fp32_is_faster(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hf_apex"):
+        ApexTrainer(
+            model=tiny_model("gpt2"), args=train_args(tmp_path, stage="fused_full"), train_dataset=TokenDataset()
+        )
+    assert "BF16 autocast on the CPU is often far slower than FP32" in caplog.text
