@@ -184,7 +184,8 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
                 ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
                 continue
             bars = ax.bar(stages, [v or 0 for v in values], color=colours, hatch=hatches, yerr=errors, capsize=3)
-            ax.bar_label(bars, labels=[_f(v, ".1f") for v in values], fontsize=8, label_type="center")
+            box = {"facecolor": "white", "edgecolor": "none", "pad": 1}
+            ax.bar_label(bars, labels=[_f(v, ".1f") for v in values], fontsize=8, label_type="center", bbox=box)
     present = dict.fromkeys(r.backend for r in rows)
     names = {"torch": "torch only", "apex": "apex kernels", "apex+torch": "apex + torch (autotune)"}
     names["fallback"] = "torch fallback (no apex kernel ran)"
