@@ -271,7 +271,8 @@ class Autotuner:
     # -- the norms -------------------------------------------------------------------------------------------
     def choose_norm(self, module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> str:
         """apex or torch for this norm type, hidden size and dtype: timed once per run, on the first training
-        call; evaluation before any training call runs apex without deciding."""
+        call (rank 0 deciding for all ranks). An evaluation that runs before the first training call takes apex's
+        kernel without deciding, and keeps it for the run's evaluations."""
         key = {
             "norm": stock_class(module).__name__,
             "hidden": x.shape[-1],
@@ -296,7 +297,9 @@ class Autotuner:
                 grad_out = torch.randn_like(x, dtype=amp or x.dtype)
 
             def fwd_bwd(backend):
-                with torch.enable_grad():
+                # Identity saved-tensor hooks: an enclosing non-reentrant activation checkpoint (or CPU offload)
+                # must not capture the probe's own graph (it would try to recompute the layer mid-forward).
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     y = forwards[backend](module, probe)
                     # autograd.grad returns gradients without accumulating into .grad: training state is untouched.
                     return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
@@ -309,6 +312,10 @@ class Autotuner:
             return {backend: (lambda backend=backend: fwd_bwd(backend)) for backend in forwards}, parity
 
         bucket = 1 << max(tokens - 1, 0).bit_length()
-        backend = self.choose(module.hf_apex_component, key | {"tokens": bucket}, prepare).backend
+        # Every rank reaches its first training call of this norm type at the same point: rank 0 decides for all,
+        # so that replicas compute the same numerics (under autocast apex returns bf16 where torch returns fp32).
+        backend = self.choose(
+            module.hf_apex_component, key | {"tokens": bucket}, prepare, same_on_all_ranks=True
+        ).backend
         self.memo[name] = backend
         return backend

@@ -12,7 +12,8 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``train`` (starts a run: strict FP32 when
-``tf32=False``, fresh autotune decisions or those of the checkpoint resumed), ``call_model_init`` (rewires each
+``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
+trainer's switches), ``call_model_init`` (rewires each
 new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
 (counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current
 logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
@@ -33,7 +34,7 @@ from .autotune import STATE_FILE, Autotuner, DecisionCache
 from .kernels.availability import blocker, fix_for
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
-from .kernels.surgery import RewireReport, reset_routes, rewire, unrewire
+from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
 from .training_args import ApexTrainingArguments
 
@@ -122,15 +123,24 @@ class ApexTrainer(Trainer):
                 _keep_fp32_strict()
             if self.autotuner is not None:
                 self.autotuner.begin_run(pinned=self._checkpoint_decisions(resume_from_checkpoint))
-            if self.model is not None:
-                reset_routes(self.model)
+            if self.model_init is None and self.model is not None:
+                # Again: another trainer built on the same model may have rewired it its own way since __init__.
+                self.rewire_report = self.rewire_model(self.model)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-        path = os.path.join(resume_from_checkpoint, STATE_FILE) if resume_from_checkpoint else None
-        if path is None or not os.path.isfile(path):
+        if not resume_from_checkpoint:
+            return None
+        path = os.path.join(resume_from_checkpoint, STATE_FILE)
+        if not os.path.isfile(path):
+            logger.warning(
+                "hf_apex: %s has no %s (it was saved without autotune): if autotune now picks another optimizer "
+                "than the one whose state it holds, loading that state fails.",
+                resume_from_checkpoint,
+                STATE_FILE,
+            )
             return None
         with open(path) as f:
             return json.load(f)
@@ -175,21 +185,24 @@ class ApexTrainer(Trainer):
             return apex_optimizer_cls_and_kwargs(args, model, choose)
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
 
-    # A resumed run must rebuild the optimizer whose state it loads: keep this run's decisions with the checkpoint.
+    # A resumed run must rebuild the optimizer whose state it loads: keep this run's decisions with the checkpoint
+    # (written first, so that a checkpoint pushed to the Hub carries them too).
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         if self.autotuner is not None and self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
+            os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(self.autotuner.state(), f, indent=1)
+        super()._save_checkpoint(model, trial)
 
     # The stock method walks every parameter on each micro-batch (0.3-0.5 ms of host time for BERT-base); the
     # count only changes with the model.
     def floating_point_ops(self, inputs) -> int:
         main_input = getattr(self.model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+        apex_args = isinstance(self.args, ApexTrainingArguments)
+        if not apex_args or main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return super().floating_point_ops(inputs)
         cached = getattr(self, "_hf_apex_param_count", None)
         if cached is None or cached[0] is not self.model:

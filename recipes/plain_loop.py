@@ -31,6 +31,10 @@ from hf_apex.measure.steps import StepTimer
 def main(out_json: str, argv: list[str]) -> dict:
     parser = HfArgumentParser((finetune.ScriptArguments, ApexTrainingArguments))
     script_args, args = parser.parse_args_into_dataclasses(argv)
+    if args.max_steps <= 0 or args.gradient_accumulation_steps != 1:
+        raise SystemExit(
+            "plain_loop.py: needs --max_steps > 0 and --gradient_accumulation_steps 1 (what make bench runs)"
+        )
     set_seed(args.seed)
     tokenizer = finetune.load_tokenizer(script_args)
     model = finetune.load_model(script_args, tokenizer)

@@ -240,3 +240,13 @@ def test_on_cpu_auto_says_why_it_decided_nothing(tmp_path):
     trainer.train()
     (decision,) = json.loads((tmp_path / "cpu" / METRICS_FILENAME).read_text())["autotune"]
     assert decision["backend"] is None and "not timed" in decision["reason"] and "CUDA" in decision["reason"]
+
+
+def test_autotune_under_non_reentrant_activation_checkpointing(fake_apex, tmp_path, monkeypatch):
+    """The probe runs inside the model's forward; an enclosing checkpoint must not capture its graph."""
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
+    args = auto_args(tmp_path / "gc", bf16=False, max_steps=2, activation_checkpointing=True)
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert [d["backend"] for d in trainer.autotuner.report()] == ["apex", "apex"]

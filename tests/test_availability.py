@@ -95,6 +95,7 @@ def test_the_blocker_names_the_missing_gpu_first(monkeypatch):
     assert "cpu tensors" in availability.blocker("fused_adam", "cpu")
     assert "NVIDIA GPUs" in availability.fix_for(availability.blocker("layer_norm"))
     assert "make apex" in availability.fix_for("NVIDIA apex is not installed")
+    assert availability.fix_for("torch.float64 inputs (apex's norms take fp32, fp16 and bf16)") == ""
 
 
 def test_portable_paths_hide_the_machine_layout(tmp_path, monkeypatch):

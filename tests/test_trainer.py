@@ -357,3 +357,23 @@ def test_autocast_on_the_cpu_warns_that_fp32_is_faster(tmp_path, caplog):
             model=tiny_model("gpt2"), args=train_args(tmp_path, stage="fused_full"), train_dataset=TokenDataset()
         )
     assert "BF16 autocast on the CPU is often far slower than FP32" in caplog.text
+
+
+def test_trainers_sharing_a_model_each_train_with_their_own_norms(tmp_path):
+    model = tiny_model("gpt2").train()
+    fused = ApexTrainer(
+        model=model, args=train_args(tmp_path / "ln", stage="fused_adam_ln", max_steps=2), train_dataset=TokenDataset()
+    )
+    ApexTrainer(model=model, args=train_args(tmp_path / "base", stage="baseline"), train_dataset=TokenDataset())
+    assert not any(is_swapped(m) for m in model.modules())  # the second trainer took the apex norms off
+    fused.train()
+    calls = json.loads((tmp_path / "ln" / METRICS_FILENAME).read_text())["kernels"]["calls"]
+    assert calls["layer_norm"]["fallback"] == 10  # the first trainer's run rewired it back: 5 norms x 2 steps
+
+
+def test_epoch_logging_carries_the_stage_metrics(tmp_path):
+    args = train_args(tmp_path, stage="baseline", max_steps=-1, num_train_epochs=2, logging_strategy="epoch")
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset(n=16))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all("step_time_ms" in h for h in logged)

@@ -34,6 +34,8 @@ NO_GPU_HINT = "apex's kernels run on NVIDIA GPUs only: run on a CUDA machine, or
 EXTENSIONS = {"fused_adam": "amp_C", "fused_lamb": "amp_C", "layer_norm": "fused_layer_norm_cuda"}
 EXTENSIONS["rms_norm"] = EXTENSIONS["layer_norm"]
 BUILD_RECORD = "_hf_apex_build.json"  # written next to the installed apex package by `make apex`
+NO_GPU = "no CUDA GPU is visible"  # the blockers that a GPU removes
+CPU_TENSORS = "tensors (apex kernels need CUDA tensors)"
 
 
 def _has_module(name: str) -> bool:
@@ -93,15 +95,18 @@ def blocker(component: str, device: torch.device | str | None = None) -> str | N
     """
     if device is None:
         if not torch.cuda.is_available():
-            return "no CUDA GPU is visible"
+            return NO_GPU
     elif torch.device(device).type != "cuda":
-        return f"{torch.device(device).type} tensors (apex kernels need CUDA tensors)"
+        return f"{torch.device(device).type} {CPU_TENSORS}"
     return install_error(component)
 
 
 def fix_for(reason: str) -> str:
-    """The action that removes a :func:`blocker` reason."""
-    return NO_GPU_HINT if "CUDA" in reason else APEX_BUILD_HINT
+    """The action that removes a :func:`blocker` reason ("" for reasons about the input, which have none)."""
+    if NO_GPU in reason or CPU_TENSORS in reason:
+        return NO_GPU_HINT
+    install = ("NVIDIA apex is not installed", "apex extension", "multi_tensor_applier", "Python side", "apex kernel")
+    return APEX_BUILD_HINT if any(marker in reason for marker in install) else ""
 
 
 def is_fused_adam_available() -> bool:

@@ -56,7 +56,7 @@ class _LayerNormAffine(torch.autograd.Function):
         ctx.dtypes = x.dtype, weight.dtype, bias.dtype
         if amp is not None:
             x, weight, bias = x.to(amp), weight.to(amp), bias.to(amp)
-        x = x.contiguous()
+        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
         y, mean, invvar = _ext.forward_affine(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, invvar)
         ctx.shape, ctx.eps = shape, eps
@@ -93,7 +93,7 @@ class _RMSNormAffine(torch.autograd.Function):
         ctx.dtypes = x.dtype, weight.dtype
         if amp is not None:
             x, weight = x.to(amp), weight.to(amp)
-        x = x.contiguous()
+        x, weight = x.contiguous(), weight.contiguous()
         y, invvar = _ext.rms_forward_affine(x, shape, weight, eps)
         ctx.save_for_backward(x, weight, invvar)
         ctx.shape, ctx.eps = shape, eps
@@ -142,7 +142,7 @@ class _ApexNorm:
             if self.hf_apex_strict:
                 raise ApexKernelError(
                     f"{type(self).__name__}: apex_strict_kernels is on but apex's {component} kernel cannot run "
-                    f"here ({reason}). {fix_for(reason)}"
+                    f"here ({reason}). {fix_for(reason)}".rstrip()
                 )
             _warn_fallback(component, reason)
             return KernelRoute(component, FALLBACK, stock_forward, reason)

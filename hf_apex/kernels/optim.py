@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
+from ..stages import APEX_OPTIMIZERS
 from .availability import blocker, fix_for
 from .norms import ApexKernelError
 from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
-
-APEX_OPTIMIZERS = ("none", "fused_adam", "fused_lamb")
 
 
 class FusedAdamFallback(torch.optim.Optimizer):
@@ -52,7 +51,7 @@ class FusedAdamFallback(torch.optim.Optimizer):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         if capturable or master_weights:
-            raise ValueError(f"capturable/master_weights need apex's kernels. {fix_for('apex')}")
+            raise ValueError(f"capturable/master_weights need apex's kernels. {fix_for('apex is not installed')}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode = adam_w_mode

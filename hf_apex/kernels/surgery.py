@@ -211,10 +211,3 @@ def unrewire(model: nn.Module) -> int:
                 module.__dict__.pop(name, None)
             restored += 1
     return restored
-
-
-def reset_routes(model: nn.Module) -> None:
-    """Make every swapped norm of ``model`` decide its route again (a new training run)."""
-    for module in model.modules():
-        if is_swapped(module):
-            module.hf_apex_reset()

@@ -107,6 +107,10 @@ class StageMetricsCallback(TrainerCallback):
             self._flush()
         return control
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_log:  # logging_strategy="epoch": the Trainer logs after this, at a point every rank runs
+            self._flush()
+
     # Evaluation and checkpoints are not training: the step before them ends at its own end mark.
     def on_evaluate(self, args, state, control, **kwargs):
         self._timer.interrupt()
