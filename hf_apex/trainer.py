@@ -99,8 +99,8 @@ class ApexTrainer(Trainer):
         validate_apex_args(self.args)
         if self.args.device.type == "cpu" and (self.args.bf16 or self.args.fp16):
             logger.warning(
-                "hf_apex: %s autocast on the CPU is often far slower than FP32 (an order of magnitude on CPUs without "
-                "native support); on a CPU prefer an FP32 stage (baseline, fused_adam, fused_adam_ln).",
+                "hf_apex: %s autocast on the CPU is often far slower than FP32; on a CPU prefer an FP32 stage "
+                "(baseline, fused_adam, fused_adam_ln).",
                 "BF16" if self.args.bf16 else "FP16",
             )
         if self.args.autotune:

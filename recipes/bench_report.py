@@ -187,8 +187,12 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
             box = {"facecolor": "white", "edgecolor": "none", "pad": 1}
             ax.bar_label(bars, labels=[_f(v, ".1f") for v in values], fontsize=8, label_type="center", bbox=box)
     present = dict.fromkeys(r.backend for r in rows)
-    names = {"torch": "torch only", "apex": "apex kernels", "apex+torch": "apex + torch (autotune)"}
-    names["fallback"] = "torch fallback (no apex kernel ran)"
+    names = {
+        "torch": "torch only",
+        "apex": "apex kernels",
+        "apex+torch": "apex + torch (autotune)",
+        "fallback": "torch fallback (no apex kernel ran)",
+    }
     handles = [Patch(color=COLOURS[b], hatch="//" if b == "fallback" else "", label=names[b]) for b in present]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle("\n".join(textwrap.wrap(title, 110)) if title else "hf_apex stages", fontsize=9)

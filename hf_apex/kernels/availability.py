@@ -31,8 +31,12 @@ APEX_BUILD_HINT = (
 NO_GPU_HINT = "apex's kernels run on NVIDIA GPUs only: run on a CUDA machine, or leave the apex switches off."
 
 # component -> the compiled extension its kernels live in
-EXTENSIONS = {"fused_adam": "amp_C", "fused_lamb": "amp_C", "layer_norm": "fused_layer_norm_cuda"}
-EXTENSIONS["rms_norm"] = EXTENSIONS["layer_norm"]
+EXTENSIONS = {
+    "fused_adam": "amp_C",
+    "fused_lamb": "amp_C",
+    "layer_norm": "fused_layer_norm_cuda",
+    "rms_norm": "fused_layer_norm_cuda",
+}
 BUILD_RECORD = "_hf_apex_build.json"  # written next to the installed apex package by `make apex`
 NO_GPU = "no CUDA GPU is visible"  # the blockers that a GPU removes
 CPU_TENSORS = "tensors (apex kernels need CUDA tensors)"

@@ -237,8 +237,11 @@ def _run_rms_norm(m, x, amp, shape, eps):
     return _RMSNormAffine.apply(x, m.weight, shape, eps, amp)
 
 
-KINDS = {"layer_norm": _LayerNormKernel, "weightless_layer_norm": _WeightlessLayerNormKernel}
-KINDS["rms_norm"] = _RMSNormKernel
+KINDS = {
+    "layer_norm": _LayerNormKernel,
+    "weightless_layer_norm": _WeightlessLayerNormKernel,
+    "rms_norm": _RMSNormKernel,
+}
 
 
 def _kind(cls: type) -> str:
