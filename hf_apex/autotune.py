@@ -1,8 +1,13 @@
 """``auto``: time apex against torch for each component on this GPU, and use the faster.
 
 An :class:`Autotuner` belongs to one ``ApexTrainer``. It decides once per run for each component: the optimizer
-(over the model's parameter shapes) and each norm type (class, hidden size, input dtype, autocast dtype; timed on
-its first training call at that call's token count). The disk cache (:class:`DecisionCache`) is consulted before
+(over the model's parameter shapes) and the norms. ``ApexTrainer`` decides the norms of the whole model at once, by
+timing the forward and backward of the first training batch with each backend (:meth:`Autotuner.choose_norms`):
+under autocast apex's norms return the autocast dtype where torch's return FP32, so the matmuls after them cast
+less and the residual stream is half the bytes, which only a whole step shows (BERT-base 128 × 128 on an H200: a
+single LayerNorm is faster in torch, the step faster with apex). A norm that meets no such decision (``rewire``
+with a chooser, outside the trainer) is timed alone on its first training call (class, hidden size, input dtype,
+autocast dtype, token count). The disk cache (:class:`DecisionCache`) is consulted before
 anything is measured; its key adds the GPU and software versions and, for norms, the token count rounded up to a
 power of two, so the next run with the same setup starts with the answer. torch's op is the reference: a backend
 whose results differ from it beyond the tolerance of the dtype is never chosen. Every decision (times, parity,
@@ -33,6 +38,7 @@ logger = logging.getLogger("hf_apex")
 
 AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
 STATE_FILE = "hf_apex_autotune.json"  # in each checkpoint: the decisions a resumed run must keep
+TIMING_ROUNDS = 3  # candidates are timed in turns, this many rounds each
 
 
 def default_cache_path() -> Path:
@@ -59,6 +65,49 @@ def cuda_timer(fn: Callable[[], None], budget_s: float, max_reps: int = 50) -> f
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def training_pass(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A ``run_step`` for :meth:`Autotuner.choose_norms`: ``loss_fn()`` (forward, under the run's autocast) and
+    the backward to every trainable parameter; the gradients are returned and dropped, ``.grad`` is not touched."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run_step() -> None:
+        model.train()
+        torch.autograd.grad(loss_fn(), params, allow_unused=True)
+
+    return run_step
+
+
+def _capture(store: dict, kind, module, args) -> None:
+    if store[kind] is None:
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        store[kind] = (module, args[0].detach(), amp)
+
+
+def norm_probe(module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None):
+    """``(fwd_bwd(backend), parity(backend))`` for a swapped norm on its input ``x``: one forward and backward
+    with apex's kernel or torch's op, and whether apex's outputs and gradients match torch's within the dtype's
+    tolerance. Neither moves the training RNG or touches ``.grad``; both work under ``no_grad`` callers."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    forwards = {APEX: module.hf_apex_kernel(amp), TORCH: stock_class(module).forward}
+    probe = x.detach().clone().requires_grad_(True)
+    with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+        grad_out = torch.randn_like(x, dtype=amp or x.dtype)
+
+    def fwd_bwd(backend):
+        # Identity saved-tensor hooks: an enclosing non-reentrant activation checkpoint (or CPU offload) must not
+        # capture the probe's own graph (it would try to recompute the layer mid-forward).
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            y = forwards[backend](module, probe)
+            return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
+
+    def parity(backend):
+        (y, grads), (ref_y, ref_grads) = fwd_bwd(backend), fwd_bwd(TORCH)
+        tol = tolerance(amp or x.dtype)
+        return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
+
+    return fwd_bwd, parity
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -155,6 +204,7 @@ class Autotuner:
         self.decisions: list[Decision] = []
         self.memo: dict[str, str] = dict(pinned or {})  # decision name -> backend, for this run
         self._pinned = set(self.memo)
+        self._forced_norm: str | None = None  # the backend every norm takes while choose_norms times one
 
     def state(self) -> dict[str, str]:
         """The decisions a resumed run must keep (what :meth:`begin_run` takes back as ``pinned``)."""
@@ -199,7 +249,14 @@ class Autotuner:
         candidates, parity = prepare()
         parity_ok = {name: name == TORCH or bool(parity(name)) for name in candidates}
         eligible = [name for name in candidates if parity_ok[name]]
-        times = {name: self.timer(_named(candidates[name], name), self.budget_s / len(eligible)) for name in eligible}
+        # In turns (A B, B A, A B), keeping each candidate's fastest round: a burst of host noise (another
+        # tenant, a clock change) that slows one round cannot decide.
+        rounds = {name: [] for name in eligible}
+        budget = self.budget_s / (len(eligible) * TIMING_ROUNDS)
+        for r in range(TIMING_ROUNDS):
+            for name in eligible if r % 2 == 0 else eligible[::-1]:
+                rounds[name].append(self.timer(_named(candidates[name], name), budget))
+        times = {name: min(ms) for name, ms in rounds.items()}
         backend = min(times, key=times.get)
         self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
         return Decision(component, key, backend, times, parity_ok, reason="faster" if len(times) > 1 else "parity")
@@ -269,10 +326,88 @@ class Autotuner:
         return backend
 
     # -- the norms -------------------------------------------------------------------------------------------
+    def choose_norms(
+        self,
+        model: torch.nn.Module,
+        run_step: Callable[[], None],
+        batch_shape: tuple[int, ...],
+        amp: torch.dtype | None,
+    ) -> str | None:
+        """apex or torch for every swapped norm of ``model``, by timing ``run_step`` (forward and backward of a
+        real batch of ``batch_shape`` under autocast ``amp``; it must leave the parameters' ``.grad`` alone, see
+        :func:`training_pass`) with each backend, in turns. apex is eligible only where each norm type's kernel
+        matches torch's op on that type's own input in the batch. Rank 0 decides for all ranks; the others do not
+        run ``run_step``. Returns the backend, or None when the model has no swapped norm.
+        """
+        from .kernels import norms
+
+        swapped = [m for m in model.modules() if norms.is_swapped(m)]
+        if not swapped:
+            return None
+        pinned = self._pinned_decision("norms", "norms", {})
+        if pinned is not None:
+            return pinned
+        device = next(model.parameters()).device
+        blocked = [norms.blocker(m.hf_apex_component, device) for m in swapped]
+        if all(blocked):  # every norm falls back to torch anyway: nothing to time
+            self.decisions.append(
+                Decision("norms", {}, None, reason=f"not timed: apex cannot run here ({blocked[0]})")
+            )
+            return None
+        key = {
+            "model": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "norms": sorted({stock_class(m).__name__ for m in swapped}),
+            "batch": list(batch_shape),
+            "autocast": str(amp),
+        }
+
+        def prepare():
+            def run(backend):
+                self._forced_norm = backend
+                try:
+                    for m in swapped:
+                        m.hf_apex_reset()
+                    with torch.random.fork_rng(
+                        devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []
+                    ):
+                        run_step()  # the same dropout masks for both backends, the training RNG untouched
+                finally:
+                    self._forced_norm = None
+
+            def parity(backend):
+                # Kernel against op on each norm type's own input (captured from a torch pass): a whole model's
+                # loss and gradients drift apart in BF16 with depth whichever kernel is right.
+                inputs, hooks = {}, []
+                for m in swapped:
+                    kind = (stock_class(m), m.hf_apex_component)
+                    if kind not in inputs:
+                        inputs[kind] = None
+                        hooks.append(m.register_forward_pre_hook(functools.partial(_capture, inputs, kind)))
+                try:
+                    run(TORCH)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                return all(norm_probe(m, x, amp_)[1](backend) for m, x, amp_ in filter(None, inputs.values()))
+
+            return {backend: (lambda backend=backend: run(backend)) for backend in (APEX, TORCH)}, parity
+
+        backend = self.choose("norms", key, prepare, same_on_all_ranks=True).backend
+        for m in swapped:
+            m.hf_apex_reset()  # the timing's routes and counts go; the next call takes the decision
+        self.memo["norms"] = backend
+        return backend
+
     def choose_norm(self, module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> str:
-        """apex or torch for this norm type, hidden size and dtype: timed once per run, on the first training
-        call (rank 0 deciding for all ranks). An evaluation that runs before the first training call takes apex's
-        kernel without deciding, and keeps it for the run's evaluations."""
+        """apex or torch for this norm: the whole model's decision when :meth:`choose_norms` made one; else timed
+        alone, once per run for this norm type, hidden size and dtype, on the first training call (rank 0 deciding
+        for all ranks). An evaluation that runs before the first training call takes apex's kernel without
+        deciding, and keeps it for the run's evaluations."""
+        if self._forced_norm is not None:
+            return self._forced_norm
+        if "norms" in self.memo:
+            return self.memo["norms"]
         key = {
             "norm": stock_class(module).__name__,
             "hidden": x.shape[-1],
@@ -286,30 +421,10 @@ class Autotuner:
         if not module.training:
             return APEX
         tokens = x.numel() // x.shape[-1]
-        params = [p for p in module.parameters() if p.requires_grad]
-        forwards = {APEX: module.hf_apex_kernel(amp), TORCH: stock_class(module).forward}
 
         def prepare():
-            # Timing must not move the training RNG (dropout), and must work when the caller runs under no_grad
-            # (e.g. the first pass of activation checkpointing).
-            probe = x.detach().clone().requires_grad_(True)
-            with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
-                grad_out = torch.randn_like(x, dtype=amp or x.dtype)
-
-            def fwd_bwd(backend):
-                # Identity saved-tensor hooks: an enclosing non-reentrant activation checkpoint (or CPU offload)
-                # must not capture the probe's own graph (it would try to recompute the layer mid-forward).
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    y = forwards[backend](module, probe)
-                    # autograd.grad returns gradients without accumulating into .grad: training state is untouched.
-                    return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
-
-            def parity(backend):
-                (y, grads), (ref_y, ref_grads) = fwd_bwd(backend), fwd_bwd(TORCH)
-                tol = tolerance(amp or x.dtype)
-                return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
-
-            return {backend: (lambda backend=backend: fwd_bwd(backend)) for backend in forwards}, parity
+            fwd_bwd, parity = norm_probe(module, x, amp)
+            return {backend: (lambda backend=backend: fwd_bwd(backend)) for backend in (APEX, TORCH)}, parity
 
         bucket = 1 << max(tokens - 1, 0).bit_length()
         # Every rank reaches its first training call of this norm type at the same point: rank 0 decides for all,

@@ -13,10 +13,12 @@ Override points (each calls ``super()`` and can be replaced alone):
 
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
-trainer's switches), ``call_model_init`` (rewires each
-new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
-(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current
-logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
+trainer's switches), ``training_step`` (with autotune, the run's first step first times the model's forward and
+backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`),
+``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the
+checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges
+the stage metrics of the current logging window; local, no collective). With plain ``TrainingArguments`` it
+behaves exactly like ``Trainer``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .autotune import STATE_FILE, Autotuner, DecisionCache
+from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
 from .kernels.availability import blocker, fix_for
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
@@ -91,6 +93,7 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     stage_metrics: StageMetricsCallback | None = None
+    _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -126,7 +129,40 @@ class ApexTrainer(Trainer):
             if self.model_init is None and self.model is not None:
                 # Again: another trainer built on the same model may have rewired it its own way since __init__.
                 self.rewire_report = self.rewire_model(self.model)
+            self._norms_to_tune = self._tunes_norms_in_step()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _tunes_norms_in_step(self) -> bool:
+        # Not under torch.compile (the stock op runs in the graph), FSDP (a forward on one rank would hang the
+        # others) or activation checkpointing (reentrant checkpoints refuse autograd.grad): there each norm type
+        # is timed alone instead.
+        args = self.args
+        return (
+            self.autotuner is not None
+            and args.apex_fused_norms
+            and not args.torch_compile
+            and not _uses_fsdp(args)
+            and not args.gradient_checkpointing
+            and not getattr(args, "activation_checkpointing", False)
+        )
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if self._norms_to_tune:
+            self._norms_to_tune = False
+            self._choose_norms(self._prepare_inputs(inputs))
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _choose_norms(self, inputs: dict) -> None:
+        raw = self.model  # unwrapped: no DDP hooks or collectives in the timed passes (rank 0 times alone)
+
+        def loss_fn():
+            with self.accelerator.autocast():
+                return self.compute_loss(raw, inputs)
+
+        main = getattr(raw, "main_input_name", "input_ids")
+        shape = next((tuple(v.shape) for k, v in inputs.items() if k == main and torch.is_tensor(v)), ())
+        amp = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        self.autotuner.choose_norms(raw, training_pass(raw, loss_fn), shape, amp)
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
         if resume_from_checkpoint is True:

@@ -38,9 +38,10 @@ class ApexTrainingArguments(TrainingArguments):
         apex_strict_kernels (`bool`, *optional*, defaults to `False`):
             Raise instead of falling back to the torch op when an apex kernel is missing or cannot run.
         autotune (`bool`, *optional*, defaults to `False`):
-            For each apex component switched on, time apex against torch on this GPU (optimizer over the real
-            parameter shapes; each norm type at its hidden size, token count and dtype), about a second of
-            timing per decision, and use the faster; a backend that fails the parity check is never chosen.
+            For each apex component switched on, time apex against torch on this GPU (the optimizer over the
+            real parameter shapes; the norms on the model's forward and backward of the first batch, or, under
+            torch.compile, FSDP or activation checkpointing, each norm type alone), in turns, and use the faster;
+            a backend that fails the parity check is never chosen.
             Decisions are cached in `autotune_cache` and written to the logs and the metrics JSON.
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
             Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.

@@ -9,7 +9,43 @@ import json
 import textwrap
 from pathlib import Path
 
+import numpy as np
+
 LOSS_TAIL = 5  # losses averaged at the end of a run for the loss comparison
+# Intervals: 95 % moving-block bootstrap of the median step time. Slow steps come in bursts (another tenant
+# on the host, a clock change) that last several steps, so steps are resampled in contiguous blocks.
+BLOCK, RESAMPLES, LEVEL = 10, 4000, 0.95
+# Rows compared with auto: it should be no slower than the faster of these.
+AUTO_RIVALS = ("fused_full", "torch_fused")
+
+
+def _resampled_medians(steps: list[float], rng: np.random.Generator) -> np.ndarray:
+    x = np.asarray(steps, dtype=np.float64)
+    n, block = len(x), min(BLOCK, len(x))
+    starts = rng.integers(0, n - block + 1, size=(RESAMPLES, -(-n // block)))
+    index = (starts[..., None] + np.arange(block)).reshape(RESAMPLES, -1)[:, :n]
+    return np.median(x[index], axis=1)
+
+
+def _interval(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return float(lo), float(hi)
+
+
+def median_interval(steps: list[float] | None) -> tuple[float, float] | None:
+    """95 % interval of the median of ``steps`` (per-step times in order), or None for fewer than 2 steps."""
+    if not steps or len(steps) < 2:
+        return None
+    return _interval(_resampled_medians(steps, np.random.default_rng(0)))
+
+
+def relative_difference(a: list[float] | None, b: list[float] | None) -> dict | None:
+    """median(a) / median(b) - 1, with its 95 % interval (a and b resampled independently)."""
+    if not a or not b or len(a) < 2 or len(b) < 2:
+        return None
+    rng = np.random.default_rng(0)
+    lo, hi = _interval(_resampled_medians(a, rng) / _resampled_medians(b, rng) - 1)
+    return {"value": float(np.median(a) / np.median(b) - 1), "lo": lo, "hi": hi}
 
 
 @dataclasses.dataclass
@@ -22,6 +58,7 @@ class BenchRow:
     step_time_ms_p50: float | None
     step_time_ms_p20: float | None
     step_time_ms_p80: float | None
+    step_time_ms_ci: tuple[float, float] | None  # 95 % interval of the p50 (see BLOCK)
     tokens_per_s: float | None
     peak_memory_allocated_gib: float | None
     peak_memory_reserved_gib: float | None
@@ -36,8 +73,12 @@ class BenchRow:
     memory_vs_baseline: float | None = None
     loss_delta_vs_baseline: float | None = None
     trainer_overhead: float | None = None  # Trainer p50 / plain-loop p50 - 1
+    trainer_overhead_ci: tuple[float, float] | None = None
     world_size: int = 1  # processes (GPUs) in the run; tokens/s is their sum, step time the slowest
     provenance: dict | None = None
+    loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
+    timed_steps_ms: list[float] | None = None  # after warm-up, in order (the intervals are computed from them)
+    plain_loop_timed_steps_ms: list[float] | None = None
 
 
 def _backend(calls: dict, fallback: bool) -> str:
@@ -58,10 +99,14 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         verified = "not profiled (no CUDA)" if not (metrics.get("provenance") or {}).get("gpu") else "not profiled"
     else:
         verified = ", ".join(sorted(profiled)) or "none (torch only)"
-    losses = [h["loss"] for h in metrics.get("loss_history", [])]
+    history = [(h["step"], h["loss"]) for h in metrics.get("loss_history", [])]
+    losses = [loss for _, loss in history]
     eval_metrics = metrics.get("eval") or {}
     eval_key = next((k for k in ("eval_accuracy", "eval_perplexity") if k in eval_metrics), None)
     step = metrics.get("step_time_ms") or {}
+    warmup = metrics.get("run", {}).get("warmup_steps", 0)
+    timed = metrics.get("steps_ms", [])[warmup:] or None
+    plain_timed = (plain or {}).get("steps_ms", [])[(plain or {}).get("warmup_steps", warmup) :] or None
     return BenchRow(
         model=model,
         stage=metrics["stage"],
@@ -69,6 +114,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         step_time_ms_p50=step.get("p50"),
         step_time_ms_p20=step.get("p20"),
         step_time_ms_p80=step.get("p80"),
+        step_time_ms_ci=median_interval(timed),
         tokens_per_s=metrics.get("tokens_per_s"),
         peak_memory_allocated_gib=metrics.get("peak_memory_allocated_gib"),
         peak_memory_reserved_gib=metrics.get("peak_memory_reserved_gib"),
@@ -81,6 +127,9 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         eval_value=eval_metrics.get(eval_key) if eval_key else None,
         world_size=metrics.get("run", {}).get("world_size", 1),
         provenance=metrics.get("provenance"),
+        loss_history=history or None,
+        timed_steps_ms=timed,
+        plain_loop_timed_steps_ms=plain_timed,
     )
 
 
@@ -96,11 +145,46 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
         if b is not None:
             r.speedup_vs_baseline = _ratio(b.step_time_ms_p50, r.step_time_ms_p50)
             r.memory_vs_baseline = _ratio(r.peak_memory_allocated_gib, b.peak_memory_allocated_gib)
-            if r.loss_final is not None and b.loss_final is not None:
-                r.loss_delta_vs_baseline = r.loss_final - b.loss_final
+            r.loss_delta_vs_baseline = _loss_delta(r, b)
         if r.plain_loop_ms_p50:
             r.trainer_overhead = r.step_time_ms_p50 / r.plain_loop_ms_p50 - 1
+            diff = relative_difference(r.timed_steps_ms, r.plain_loop_timed_steps_ms)
+            r.trainer_overhead_ci = (diff["lo"], diff["hi"]) if diff else None
     return rows
+
+
+def _loss_delta(row: BenchRow, base: BenchRow) -> float | None:
+    """Mean of the last ``LOSS_TAIL`` logged losses of ``row`` minus the baseline's, both up to the last step both
+    reached (the bench runs more steps where steps are short)."""
+    if not row.loss_history or not base.loss_history:
+        return None if row.loss_final is None or base.loss_final is None else row.loss_final - base.loss_final
+    horizon = min(row.loss_history[-1][0], base.loss_history[-1][0])
+
+    def tail(history):
+        kept = [loss for step, loss in history if step <= horizon][-LOSS_TAIL:]
+        return sum(kept) / len(kept)
+
+    return tail(row.loss_history) - tail(base.loss_history)
+
+
+def auto_comparisons(rows: list[BenchRow]) -> list[dict]:
+    """Per model: auto's median step time against the faster of ``AUTO_RIVALS``, with its 95 % interval."""
+    out = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = {r.stage: r for r in rows if r.model == model and r.step_time_ms_p50 is not None}
+        rivals = [mine[s] for s in AUTO_RIVALS if s in mine]
+        if "auto" not in mine or not rivals:
+            continue
+        best = min(rivals, key=lambda r: r.step_time_ms_p50)
+        diff = relative_difference(mine["auto"].timed_steps_ms, best.timed_steps_ms)
+        if diff is None:
+            diff = {"value": mine["auto"].step_time_ms_p50 / best.step_time_ms_p50 - 1, "lo": None, "hi": None}
+        out.append({"model": model, "auto_vs": best.stage, **diff})
+    return out
+
+
+def _interval_text(lo, hi, fmt: str) -> str:
+    return f" [{format(lo, fmt)}, {format(hi, fmt)}]" if lo is not None and hi is not None else ""
 
 
 def _f(value, fmt: str, none: str = "–") -> str:
@@ -108,19 +192,28 @@ def _f(value, fmt: str, none: str = "–") -> str:
 
 
 def format_table(rows: list[BenchRow], banner: str = "") -> str:
+    """The markdown table; intervals in brackets are 95 % intervals of the median (see ``BLOCK``), and below
+    the table, auto against the faster of ``AUTO_RIVALS`` per model."""
     head = (
-        "| model | stage | step ms p50 (p20–p80) | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
-        "loss Δ vs base | plain loop ms | Trainer overhead | kernels verified (profiler) |"
+        "| model | stage | step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
+        "loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | kernels verified (profiler) |"
     )
     lines = [banner, "", head, "|" + "---|" * 11] if banner else [head, "|" + "---|" * 11]
     for r in rows:
         fb = " (fallback)" if r.backend == "fallback" else ""
+        ci = r.step_time_ms_ci or (None, None)
+        over = r.trainer_overhead_ci or (None, None)
         lines.append(
-            f"| {r.model} | {r.stage}{fb} | {_f(r.step_time_ms_p50, '.1f')} "
-            f"({_f(r.step_time_ms_p20, '.1f')}–{_f(r.step_time_ms_p80, '.1f')}) | {_f(r.tokens_per_s, ',.0f')} | "
-            f"{_f(r.speedup_vs_baseline, '.2f')}× | {_f(r.peak_memory_allocated_gib, '.2f')} "
-            f"({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | {_f(r.loss_delta_vs_baseline, '+.4f')} | "
-            f"{_f(r.plain_loop_ms_p50, '.1f')} | {_f(r.trainer_overhead, '+.1%')} | {r.kernels_verified} |"
+            f"| {r.model} | {r.stage}{fb} | {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
+            f"{_f(r.tokens_per_s, ',.0f')} | {_f(r.speedup_vs_baseline, '.2f')}× | "
+            f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
+            f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
+            f"{_f(r.trainer_overhead, '+.1%')}{_interval_text(*over, '+.1%')} | {r.kernels_verified} |"
+        )
+    for c in auto_comparisons(rows):
+        lines.append(
+            f"\n{c['model']}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
+            f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
         )
     return "\n".join(lines)
 
@@ -132,11 +225,13 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict
     paths["md"].write_text(format_table(rows, banner) + "\n")
     records = [dataclasses.asdict(r) for r in rows]
     with paths["csv"].open("w", newline="") as f:
-        fields = [k for k in records[0] if k != "provenance"] if records else []
+        skip = ("provenance", "loss_history")
+        fields = [k for k in records[0] if k not in skip and not k.endswith("steps_ms")] if records else []
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(records)
-    paths["json"].write_text(json.dumps({"banner": banner, "config": config, "rows": records}, indent=2) + "\n")
+    document = {"banner": banner, "config": config, "rows": records, "auto_comparisons": auto_comparisons(rows)}
+    paths["json"].write_text(json.dumps(document, indent=2) + "\n")
     png = plot(rows, out_dir / "results.png", banner)
     if png is not None:
         paths["png"] = png
@@ -148,8 +243,8 @@ COLOURS = {"torch": "#888888", "apex": "#76b900", "apex+torch": "#4f8a10", "fall
 
 
 def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
-    """Step time (p50, whiskers p20-p80) and peak VRAM per stage, one pair of panels per model, bars coloured by
-    what ran (fallback bars hatched and named in the legend). Needs the `plot` extra."""
+    """Step time (p50, error bars its 95 % interval) and peak VRAM per stage, one pair of panels per model, bars
+    coloured by what ran (fallback bars hatched and named in the legend). Needs the `plot` extra."""
     try:
         import matplotlib
 
@@ -166,13 +261,14 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
         colours = [COLOURS.get(r.backend, "#888888") for r in mine]
         hatches = ["//" if r.backend == "fallback" else "" for r in mine]
         step = [r.step_time_ms_p50 for r in mine]
-        whiskers = [
-            [(r.step_time_ms_p50 or 0) - (r.step_time_ms_p20 or r.step_time_ms_p50 or 0) for r in mine],
-            [(r.step_time_ms_p80 or r.step_time_ms_p50 or 0) - (r.step_time_ms_p50 or 0) for r in mine],
+        cis = [r.step_time_ms_ci or (r.step_time_ms_p50 or 0,) * 2 for r in mine]
+        whiskers = [  # (the p50 was computed from unrounded times: clip rounding's negative hairs)
+            [max((r.step_time_ms_p50 or 0) - lo, 0) for r, (lo, _) in zip(mine, cis)],
+            [max(hi - (r.step_time_ms_p50 or 0), 0) for r, (_, hi) in zip(mine, cis)],
         ]
         memory = [r.peak_memory_allocated_gib for r in mine]
         for ax, values, errors, label in (
-            (ax_row[0], step, whiskers, "step time ms, p50 (p20-p80)"),
+            (ax_row[0], step, whiskers, "step time ms, p50 [95% CI]"),
             (ax_row[1], memory, None, "peak VRAM allocated, GiB"),
         ):
             ax.set_title(f"{model}: {label}", fontsize=10)

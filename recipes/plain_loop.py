@@ -22,7 +22,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
-from hf_apex.autotune import Autotuner, DecisionCache
+from hf_apex.autotune import Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
@@ -79,6 +79,16 @@ def main(out_json: str, argv: list[str]) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    if tuner and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: norms timed on whole passes
+        first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        batches = itertools.chain([first], batches)
+
+        def loss_fn():
+            with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
+                return model(**first).loss
+
+        shape = tuple(first[model.main_input_name].shape)
+        tuner.choose_norms(model, training_pass(model, loss_fn), shape, amp if args.bf16 or args.fp16 else None)
     timer, losses = StepTimer(cuda), []
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
@@ -96,11 +106,12 @@ def main(out_json: str, argv: list[str]) -> dict:
         timer.stop()
         losses.append(loss.detach())
         if step % args.logging_steps == 0:
-            float(loss)  # the Trainer reads the loss when it logs; so does this loop
+            float(loss.detach())  # the Trainer reads the loss when it logs; so does this loop
     ms = timer.drain(final=True)
     result = {
         "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),
         "steps_ms": [round(m, 4) for m in ms],
+        "warmup_steps": args.metrics_warmup_steps,
         "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": [float(v) for v in losses],
     }

@@ -1,0 +1,141 @@
+"""Where an ApexTrainer step spends host time, and which calls make the host wait for the device.
+
+    python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] <recipes/finetune.py flags>
+
+Runs `recipes/finetune.py` with the given flags and profiles optimizer steps A..B-1 twice: once with
+torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values), once with
+cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks,
+logging). Prints both; writes nothing. `--plain` profiles recipes/plain_loop.py's steps instead (the same
+training without the Trainer). Used to find the Trainer's own host cost on a host-bound step.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+import finetune  # noqa: E402
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+PHASES = {  # function name (as cProfile records it) -> phase
+    "get_batch_samples": "data (next batch, to device)",
+    "training_step": "forward + backward",
+    "_clip_grad_norm": "clip_grad_norm",
+    "step": None,  # resolved by file below
+    "call_event": "callbacks",
+    "_maybe_log_save_evaluate": "log/save/evaluate",
+    "_track_num_input_tokens": "token count",
+    "floating_point_ops": "flops count",
+    "zero_grad": "zero_grad",
+    "_get_learning_rate": "learning rate read",
+}
+
+
+class Profile(TrainerCallback):
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.torch_prof = self.cprof = None
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.begin(state.global_step)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.end(state.global_step)
+
+    def begin(self, step: int):  # `step` optimizer steps done so far
+        if step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            )
+            self.torch_prof = torch.profiler.profile(activities=acts)
+            self.torch_prof.__enter__()
+        if step == self.last:
+            self.cprof = cProfile.Profile()
+            self.t0 = time.perf_counter()
+            self.cprof.enable()
+
+    def end(self, step: int):
+        if step == self.last and self.torch_prof is not None:
+            self.torch_prof.__exit__(None, None, None)
+            self.report_torch(self.last - self.first)
+            self.torch_prof = None
+        if step == 2 * self.last - self.first and self.cprof is not None:
+            self.cprof.disable()
+            self.report_cprofile(self.last - self.first)
+            self.cprof = None
+
+    def report_torch(self, n: int):
+        counts = Counter(e.name for e in self.torch_prof.events())
+        kernels = sum(1 for e in self.torch_prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"\n== torch.profiler, per optimizer step (mean of {n}) ==")
+        print(f"  device kernels/copies executed: {kernels / n:.1f}")
+        for name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", *SYNC_EVENTS):
+            print(f"  {name:32s} {counts.get(name, 0) / n:8.2f}")
+        table = self.torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        print(table)
+
+    def report_cprofile(self, n: int):
+        stats = pstats.Stats(self.cprof)
+        print(f"\n== cProfile, host ms per optimizer step (mean of {n}; cProfile inflates Python-heavy parts) ==")
+        print(f"  {'whole step (wall, profiled)':40s} {1e3 * (time.perf_counter() - self.t0) / n:8.2f}")
+        for (file, _, func), (_, _, _, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):
+            phase = PHASES.get(func, "")
+            if func == "step":
+                phase = "lr_scheduler.step" if "lr_scheduler" in file else "optimizer.step" if "optim" in file else ""
+            if phase:
+                print(f"  {phase + ' [' + Path(file).name + ':' + func + ']':40s} {1e3 * cum / n:8.2f}")
+        stats.sort_stats("tottime").print_stats(25)
+
+
+class ProfiledTrainer(finetune.ApexTrainer):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        first, last = PROFILE_STEPS
+        self.add_callback(Profile(first, last))
+
+
+def profile_plain_loop(argv):
+    """The same profile around recipes/plain_loop.py's steps (hooked through its StepTimer)."""
+    import plain_loop
+
+    from hf_apex.measure.steps import StepTimer
+
+    prof = Profile(*PROFILE_STEPS)
+
+    class HookedTimer(StepTimer):
+        done = 0
+
+        def start(self):
+            if self.done:
+                prof.end(self.done)
+            prof.begin(self.done)
+            self.done += 1
+            super().start()
+
+    plain_loop.StepTimer = HookedTimer
+    with tempfile.TemporaryDirectory() as tmp:
+        plain_loop.main(str(Path(tmp) / "plain.json"), argv)
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    PROFILE_STEPS = (10, 15)
+    plain = "--plain" in argv
+    argv = [a for a in argv if a != "--plain"]
+    if argv and argv[0] == "--steps":
+        a, b = argv[1].split(":")
+        PROFILE_STEPS, argv = (int(a), int(b)), argv[2:]
+    if plain:
+        profile_plain_loop(argv)
+    else:
+        finetune.ApexTrainer = ProfiledTrainer
+        finetune.main(argv)
