@@ -285,8 +285,11 @@ class Autotuner:
             self.decisions.append(Decision("optimizer", {}, None, reason=why_not))
             return APEX
         params, total = [], 0
-        for p in model.parameters():
-            if p.requires_grad and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
+        for param in filter(lambda q: q.requires_grad, model.parameters()):
+            # FSDP2: time this rank's shards, the tensors the optimizer will step; rank 0 times alone, so nothing
+            # here may run a collective (DTensor ops would)
+            p = param._local_tensor if type(param).__name__ == "DTensor" else param
+            if p.numel() and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
                 params.append(p)
                 total += p.numel() * p.element_size()
         shapes = sorted((tuple(p.shape), str(p.dtype)) for p in params)

@@ -44,16 +44,26 @@ logger = logging.getLogger("hf_apex")
 
 
 def _uses_fsdp(args) -> bool:
-    return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    return _fsdp_version(args) is not None
+
+
+def _fsdp_version(args) -> int | None:
+    """1 or 2 when the run is sharded with FSDP (transformers' flags, else `accelerate launch`'s), else None."""
+    if getattr(args, "fsdp", None):
+        return int((getattr(args, "fsdp_config", None) or {}).get("version", 2))  # transformers' default: FSDP2
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return int(os.environ.get("FSDP_VERSION", "1"))  # accelerate's default
+    return None
 
 
 def validate_apex_args(args: ApexTrainingArguments) -> None:
     """Refuse, before any data or model is loaded, combinations that cannot work: one ``ValueError`` naming
     the real blocker and the fix. ``recipes/finetune.py`` calls it right after parsing; ``ApexTrainer`` too."""
-    if args.apex_optimizer != "none" and _uses_fsdp(args):
+    if args.apex_optimizer != "none" and _fsdp_version(args) == 1:
         raise ValueError(
-            f"apex_optimizer={args.apex_optimizer!r} cannot run under FSDP/FSDP2: apex's fused optimizers have no "
-            "DTensor support. Use DDP, or keep FSDP with optim='adamw_torch_fused' (stage=None)."
+            f"apex_optimizer={args.apex_optimizer!r} is not supported under FSDP1 (flat parameters); hf_apex steps "
+            "apex's optimizers on FSDP2's DTensor shards. Use FSDP2 (fsdp_config={'version': 2}; accelerate: "
+            "fsdp_version: 2), DDP, or optim='adamw_torch_fused' (stage=None)."
         )
     if args.apex_optimizer == "fused_lamb" and (
         reason := blocker("fused_lamb", args.device if torch.cuda.is_available() else None)
@@ -263,6 +273,20 @@ class ApexTrainer(Trainer):
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "autotune": self.autotuner.report() if self.autotuner else [],
             "kernels": kernels,
+            "ddp": self._ddp_settings(),
+        }
+
+    def _ddp_settings(self) -> dict | None:
+        """What the DistributedDataParallel wrapper of this run really used (None without DDP)."""
+        ddp = self.model_wrapped
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return None
+        return {
+            "find_unused_parameters": ddp.find_unused_parameters,
+            "static_graph": ddp.static_graph,
+            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "broadcast_buffers": ddp.broadcast_buffers,
         }
 
     # Merge the stage metrics into the logs before Trainer.log copies them to log_history and the integrations.

@@ -49,6 +49,9 @@ def test_two_process_ddp_matches_one_process(stage, tmp_path):
     ddp = json.loads((tmp_path / "ddp" / METRICS_FILENAME).read_text())
     one = json.loads((tmp_path / "single" / METRICS_FILENAME).read_text())
     assert ddp["run"]["world_size"] == 2 and one["run"]["world_size"] == 1
+    # the DDP wrapper's settings as used (transformers searches unused parameters for a PreTrainedModel)
+    assert ddp["ddp"]["find_unused_parameters"] is True and ddp["ddp"]["static_graph"] is False
+    assert ddp["ddp"]["bucket_cap_mb"] == 25 and one["ddp"] is None
     # Tokens are summed over the ranks: each step of both runs covers the same 4 x 16 tokens.
     assert ddp["run"]["steps"] == one["run"]["steps"] == 5
     tokens_per_step_ddp = ddp["tokens_per_s"] * sum(ddp["steps_ms"][1:]) / 1e3 / 4

@@ -1,4 +1,5 @@
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCall
 from hf_apex.kernels.norms import is_swapped
 from hf_apex.kernels.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
+from hf_apex.trainer import _fsdp_version, validate_apex_args
 from tests.testing_utils import TokenDataset, tiny_model
 
 SEED_STAGES = list(STAGES)[:4]
@@ -128,7 +130,7 @@ def test_plain_training_arguments_behave_like_trainer(tmp_path):
         (dict(stage="fused_adam", apex_strict_kernels=True), {}, "no CUDA GPU"),
         (dict(stage="fused_adam_ln", apex_strict_kernels=True), {}, "apex_strict_kernels=True but"),
         (dict(apex_optimizer="fused_lamb"), {}, "fused_lamb"),
-        (dict(stage="fused_adam"), {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+        (dict(stage="fused_adam"), {"ACCELERATE_USE_FSDP": "true"}, "FSDP1"),
         (dict(apex_fused_norms=True, torch_compile=True, apex_strict_kernels=True, bf16=True), {}, "torch.compile"),
     ],
 )
@@ -138,6 +140,17 @@ def test_validation_errors_before_training(tmp_path, monkeypatch, kw, env, match
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=match):
         ApexTrainer(model=tiny_model("gpt2"), args=train_args(tmp_path, **kw), train_dataset=TokenDataset())
+
+
+def test_fsdp2_is_accepted_with_apex_optimizers(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    validate_apex_args(train_args(tmp_path, stage="fused_adam"))  # no error: apex steps the local shards
+    # transformers' own flags (TrainingArguments refuses FSDP without a GPU, so a stand-in carries them)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert _fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={})) == 2  # transformers' default
+    assert _fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={"version": 1})) == 1
+    assert _fsdp_version(SimpleNamespace(fsdp=False, fsdp_config=None)) is None
 
 
 def test_stock_trainer_with_the_callback_writes_metrics(tmp_path):

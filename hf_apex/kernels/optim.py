@@ -8,6 +8,10 @@ clipping and checkpointing stay as they are.
 apex's update formula with torch ``_foreach`` ops and keeps apex's state layout (``exp_avg``/``exp_avg_sq`` in
 fp32 per parameter, ``step`` per *param group*), so checkpoints move between the two. Each optimizer counts the
 steps it ran in its :class:`~hf_apex.kernels.trace.KernelRoute` (``hf_apex_route``).
+
+Under FSDP2 the parameters are DTensor shards, which apex's kernels cannot take: both optimizers step each
+rank's local shards (:func:`step_local_shards`) and keep their state as DTensors sharded like the parameters, so
+torch.distributed.checkpoint (what accelerate saves FSDP2 runs with) saves and restores it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,63 @@ from .norms import ApexKernelError
 from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
+
+
+def step_local_shards(optimizer: torch.optim.Optimizer, step: Callable[[Any], Any], closure=None):
+    """``step(closure)`` with every DTensor parameter of ``optimizer`` replaced by its local shard (gradient and
+    state too) for the duration of the call, then put back, the new state wrapped as DTensors again. Parameters
+    without DTensors are untouched; a rank whose shard of a parameter is empty skips it but keeps its (empty)
+    state, so that every rank's optimizer state has the same keys."""
+    from torch.distributed.tensor import DTensor
+
+    swapped, moved, empty = [], [], []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not any(isinstance(p, DTensor) for p in params):
+            continue
+        local_params = []
+        for p in params:
+            if not isinstance(p, DTensor):
+                local_params.append(p)
+                continue
+            local = p._local_tensor
+            if local.numel() == 0:
+                empty.append(p)
+                continue
+            local.grad = p.grad._local_tensor if p.grad is not None else None
+            state = optimizer.state.pop(p, None)
+            if state:
+                optimizer.state[local] = {
+                    k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()
+                }
+            moved.append((p, local))
+            local_params.append(local)
+        swapped.append((group, params))
+        group["params"] = local_params
+    try:
+        return step(closure)
+    finally:
+        for group, params in swapped:
+            group["params"] = params
+        for p, local in moved:
+            local.grad = None
+            state = optimizer.state.pop(local, None)
+            if state:
+                optimizer.state[p] = {k: _as_shard_of(p, v, local) for k, v in state.items()}
+        for p in empty:
+            if p.grad is not None and p not in optimizer.state:
+                zeros = torch.zeros_like(p, dtype=torch.float32)
+                optimizer.state[p] = {"exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+
+
+def _as_shard_of(param, value, local):
+    from torch.distributed.tensor import DTensor
+
+    if not torch.is_tensor(value) or value.shape != local.shape or value.dim() == 0:
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 class FusedAdamFallback(torch.optim.Optimizer):
@@ -61,6 +122,9 @@ class FusedAdamFallback(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        return step_local_shards(self, self._step, closure)
+
+    def _step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -118,8 +182,8 @@ def apex_optimizer_class(name: str) -> type:
         base.__init__(self, *args, **kwargs)
         self.hf_apex_route = KernelRoute("optimizer", APEX)
 
-    def step(self, *args, **kwargs):
-        out = base.step(self, *args, **kwargs)
+    def step(self, closure=None):
+        out = step_local_shards(self, functools.partial(base.step, self), closure)
         self.hf_apex_route.calls += 1
         return out
 
