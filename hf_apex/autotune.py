@@ -253,13 +253,27 @@ class Autotuner:
         # tenant, a clock change) that slows one round cannot decide.
         rounds = {name: [] for name in eligible}
         budget = self.budget_s / (len(eligible) * TIMING_ROUNDS)
+        out_of_memory = []
         for r in range(TIMING_ROUNDS):
             for name in eligible if r % 2 == 0 else eligible[::-1]:
-                rounds[name].append(self.timer(_named(candidates[name], name), budget))
-        times = {name: min(ms) for name, ms in rounds.items()}
+                if name in out_of_memory:
+                    continue
+                try:
+                    rounds[name].append(self.timer(_named(candidates[name], name), budget))
+                except torch.OutOfMemoryError:
+                    # (a whole pass with torch's norms holds FP32 activations: more than apex's BF16 ones)
+                    if len(out_of_memory) + 1 == len(eligible):
+                        raise  # nothing fits: training would not either
+                    out_of_memory.append(name)
+                    torch.cuda.empty_cache()
+        times = {name: min(ms) for name, ms in rounds.items() if name not in out_of_memory}
         backend = min(times, key=times.get)
-        self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
-        return Decision(component, key, backend, times, parity_ok, reason="faster" if len(times) > 1 else "parity")
+        reason = (
+            "faster" if len(times) > 1 else "parity" if not out_of_memory else f"{out_of_memory[0]}: out of memory"
+        )
+        if not out_of_memory:  # memory depends on what else the process holds: not for the cache
+            self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
+        return Decision(component, key, backend, times, parity_ok, reason=reason)
 
     def _pinned_decision(self, name: str, component: str, key: dict) -> str | None:
         backend = self.memo.get(name)

@@ -78,6 +78,22 @@ def test_candidates_are_timed_in_turns_and_a_burst_cannot_decide(env, tmp_path):
     assert decision.backend == APEX and decision.times_ms == {"apex": 1.0, "torch": 1.5}
 
 
+def test_a_backend_that_runs_out_of_memory_is_left_out(env, tmp_path):
+    class OOM(FakeTimer):
+        def __call__(self, fn, budget_s):
+            self.calls.append(fn.backend)
+            if fn.backend == TORCH:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return self.times[fn.backend]
+
+    t = Autotuner(DecisionCache(tmp_path / "cache.json"), timer=OOM({"apex": 5.0}))
+    decision = t.choose("norms", {"batch": [8, 1024]}, prepare_counting([]))
+    assert decision.backend == APEX and decision.reason == "torch: out of memory" and t.timer.calls.count(TORCH) == 1
+    assert not (tmp_path / "cache.json").exists()  # memory depends on the process: decided again next time
+    with pytest.raises(torch.OutOfMemoryError):  # nothing fits: the error is the user's to see
+        Autotuner(DecisionCache(tmp_path / "c2.json"), timer=OOM({})).choose("n", {}, prepare_counting([], False))
+
+
 def test_the_cache_is_consulted_before_anything_is_prepared(env, tmp_path):
     first = tuner(tmp_path, {"apex": 1.0, "torch": 2.0})
     first.choose("optimizer", {"numel": 10}, prepare_counting([]))
