@@ -1,8 +1,9 @@
-"""Run by tests/test_fsdp.py under torchrun (or alone, the unsharded reference): train a tiny GPT-2 with apex's
-FusedAdam path (its torch fallback on CPU), FSDP2-sharded when there are several processes; dump the full
-parameters and optimizer state.
+"""Run by tests/test_fsdp.py and tests/gpu/test_fsdp_gpu.py under torchrun (or alone, the unsharded reference):
+train a tiny GPT-2 with apex's FusedAdam (its torch fallback on CPU), FSDP2-sharded when there are several
+processes; dump the full parameters and optimizer state.
 
-torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR
+torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR        # CPU, gloo
+HF_APEX_TEST_CUDA=1 torchrun --nproc_per_node 2 tests/fsdp_worker.py OUT_DIR   # one GPU per process, NCCL, apex
 """
 
 import os
@@ -19,6 +20,7 @@ from hf_apex.kernels.optim import FusedAdamFallback  # noqa: E402
 from tests.testing_utils import VOCAB, tiny_model  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
+CUDA = os.environ.get("HF_APEX_TEST_CUDA") == "1"
 
 
 class Recording(FusedAdamFallback):
@@ -32,7 +34,7 @@ class Recording(FusedAdamFallback):
 
 
 def build(world: int):
-    model = tiny_model("gpt2").train()
+    model = tiny_model("gpt2").train().to("cuda" if CUDA else "cpu")
     rewire(model)  # apex norms (torch fallbacks on CPU) under FSDP2: they see unsharded weights in forward
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -48,6 +50,10 @@ def build(world: int):
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     # eps well above rounding noise: the key bias has a zero gradient in exact arithmetic, and Adam would turn
     # its noise (which differs with the reduction order) into full-size steps
+    if CUDA:
+        from hf_apex.kernels.optim import apex_optimizer_class
+
+        return model, apex_optimizer_class("fused_adam")(groups, lr=1e-2, eps=1e-4)
     return model, Recording(groups, lr=1e-2, eps=1e-4)
 
 
@@ -55,7 +61,7 @@ def train(model, opt, steps, rank: int, world: int) -> None:
     data = torch.randint(3, VOCAB, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_rank = GLOBAL_BATCH // world
     for step in steps:
-        ids = data[step, rank * per_rank : (rank + 1) * per_rank]
+        ids = data[step, rank * per_rank : (rank + 1) * per_rank].to(next(model.parameters()).device)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -78,6 +84,7 @@ def summary(model, opt) -> dict:
         },
         "sharded_state": all(isinstance(v, DTensor) for s in opt.state.values() for v in s.values() if v.dim() > 0),
         "steps": [g["step"] for g in opt.param_groups],
+        "route": (opt.hf_apex_route.backend, opt.hf_apex_route.calls),
     }
 
 
@@ -86,7 +93,8 @@ def autotune_optimizer(model) -> dict:
     from hf_apex import autotune
     from hf_apex.kernels import optim
 
-    optim.apex_optimizer_class = lambda name: FusedAdamFallback  # apex's kernel stand-in on CPU
+    if not CUDA:
+        optim.apex_optimizer_class = lambda name: FusedAdamFallback  # apex's kernel stand-in on CPU
     tuner = autotune.Autotuner(autotune.DecisionCache(os.devnull + ".dir"), timer=lambda fn, budget_s: fn() or 1.0)
     kwargs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     tuner.choose_optimizer(model, kwargs, blocked=None)
@@ -96,8 +104,11 @@ def autotune_optimizer(model) -> dict:
 def main(out_dir: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # strict FP32
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if CUDA else "gloo")
         rank = dist.get_rank()
     model, opt = build(world)
     train(model, opt, range(STEPS), rank, world)
