@@ -79,10 +79,16 @@ def training_pass(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -
     return run_step
 
 
-def _capture(store: dict, kind, module, args) -> None:
-    if store[kind] is None:
-        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        store[kind] = (module, args[0].detach(), amp)
+def _capture(store: dict, module, args) -> None:
+    """Forward pre-hook: the first input of each kind of norm whose route would run apex's kernel."""
+    from .kernels import norms
+
+    x = args[0]
+    amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    kind = (stock_class(module), x.shape[-1], x.dtype, amp)
+    blocked = norms.blocker(module.hf_apex_component, x.device) or module._hf_apex_input_blocker(x, amp)
+    if kind not in store and not blocked:
+        store[kind] = (module, x.detach(), amp)
 
 
 def norm_probe(module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None):
@@ -224,9 +230,17 @@ class Autotuner:
         """
         decision = None
         if not same_on_all_ranks or distributed.rank() == 0:
-            decision = self._decide(component, key, prepare)
+            try:
+                decision = self._decide(component, key, prepare)
+            except Exception as exc:
+                if not (same_on_all_ranks and distributed.is_distributed()):
+                    raise
+                distributed.broadcast_object(f"{type(exc).__name__}: {exc}")  # the waiting ranks stop too
+                raise
         if same_on_all_ranks:
             decision = distributed.broadcast_object(decision)
+            if isinstance(decision, str):
+                raise RuntimeError(f"hf_apex autotune: rank 0 failed deciding {component}: {decision}")
         self.decisions.append(decision)
         logger.info(
             "hf_apex autotune: %s %s -> %s (%s; ms %s; parity %s)",
@@ -374,6 +388,9 @@ class Autotuner:
         key = {
             "model": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "dtype": str(next(model.parameters()).dtype),
+            "attention": str(getattr(getattr(model, "config", None), "_attn_implementation", None)),
             "norms": sorted({stock_class(m).__name__ for m in swapped}),
             "batch": list(batch_shape),
             "autocast": str(amp),
@@ -393,20 +410,19 @@ class Autotuner:
                     self._forced_norm = None
 
             def parity(backend):
-                # Kernel against op on each norm type's own input (captured from a torch pass): a whole model's
-                # loss and gradients drift apart in BF16 with depth whichever kernel is right.
-                inputs, hooks = {}, []
-                for m in swapped:
-                    kind = (stock_class(m), m.hf_apex_component)
-                    if kind not in inputs:
-                        inputs[kind] = None
-                        hooks.append(m.register_forward_pre_hook(functools.partial(_capture, inputs, kind)))
+                # Kernel against op on the input of each kind of norm in the model (class, hidden size, dtype,
+                # autocast), captured in this backend's own pass: a whole model's loss and gradients drift apart in
+                # BF16 with depth whichever kernel is right.
+                inputs: dict = {}
+                hooks = [m.register_forward_pre_hook(functools.partial(_capture, inputs)) for m in swapped]
                 try:
-                    run(TORCH)
+                    run(backend)
+                    return all(norm_probe(m, x, amp_)[1](backend) for m, x, amp_ in inputs.values())
+                except torch.OutOfMemoryError:
+                    return False  # left out as if it failed: an answer that does not fit is no answer
                 finally:
                     for h in hooks:
                         h.remove()
-                return all(norm_probe(m, x, amp_)[1](backend) for m, x, amp_ in filter(None, inputs.values()))
 
             return {backend: (lambda backend=backend: run(backend)) for backend in (APEX, TORCH)}, parity
 

@@ -59,6 +59,15 @@ def _fsdp_version(args) -> int | None:
 def validate_apex_args(args: ApexTrainingArguments) -> None:
     """Refuse, before any data or model is loaded, combinations that cannot work: one ``ValueError`` naming
     the real blocker and the fix. ``recipes/finetune.py`` calls it right after parsing; ``ApexTrainer`` too."""
+    if args.apex_optimizer == "fused_lamb" and _fsdp_version(args) == 2:
+        raise ValueError(
+            "apex_optimizer='fused_lamb' cannot run under FSDP2: LAMB's trust ratios and global gradient norm need "
+            "whole parameters, and each rank holds shards. Use fused_adam, or DDP."
+        )
+    if args.apex_optimizer != "none" and _fsdp_version(args) == 2:
+        master = {"master_weights", "capturable"} & {k for k, v in (args.apex_optimizer_kwargs or {}).items() if v}
+        if master:
+            raise ValueError(f"apex_optimizer_kwargs {sorted(master)} are not supported under FSDP2 (local shards).")
     if args.apex_optimizer != "none" and _fsdp_version(args) == 1:
         raise ValueError(
             f"apex_optimizer={args.apex_optimizer!r} is not supported under FSDP1 (flat parameters); hf_apex steps "
@@ -154,6 +163,8 @@ class ApexTrainer(Trainer):
             and not _uses_fsdp(args)
             and not args.gradient_checkpointing
             and not getattr(args, "activation_checkpointing", False)
+            and not getattr(self.model, "is_gradient_checkpointing", False)  # enabled on the model itself
+            and not self.is_deepspeed_enabled  # ZeRO-3 gathers parameters across ranks in a forward
         )
 
     def training_step(self, model, inputs, *args, **kwargs):
@@ -167,7 +178,7 @@ class ApexTrainer(Trainer):
 
         def loss_fn():
             with self.accelerator.autocast():
-                return self.compute_loss(raw, inputs)
+                return self.compute_loss(raw, dict(inputs))  # (compute_loss may pop the labels)
 
         main = getattr(raw, "main_input_name", "input_ids")
         shape = next((tuple(v.shape) for k, v in inputs.items() if k == main and torch.is_tensor(v)), ())

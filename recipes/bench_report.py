@@ -33,15 +33,16 @@ def _interval(samples: np.ndarray) -> tuple[float, float]:
 
 
 def median_interval(steps: list[float] | None) -> tuple[float, float] | None:
-    """95 % interval of the median of ``steps`` (per-step times in order), or None for fewer than 2 steps."""
-    if not steps or len(steps) < 2:
+    """95 % interval of the median of ``steps`` (per-step times in order), or None for fewer than two blocks of
+    steps (too few to say anything about the spread)."""
+    if not steps or len(steps) < 2 * BLOCK:
         return None
     return _interval(_resampled_medians(steps, np.random.default_rng(0)))
 
 
 def relative_difference(a: list[float] | None, b: list[float] | None) -> dict | None:
     """median(a) / median(b) - 1, with its 95 % interval (a and b resampled independently)."""
-    if not a or not b or len(a) < 2 or len(b) < 2:
+    if not a or not b or min(len(a), len(b)) < 2 * BLOCK:
         return None
     rng = np.random.default_rng(0)
     lo, hi = _interval(_resampled_medians(a, rng) / _resampled_medians(b, rng) - 1)
@@ -77,6 +78,7 @@ class BenchRow:
     world_size: int = 1  # processes (GPUs) in the run; tokens/s is their sum, step time the slowest
     provenance: dict | None = None
     loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
+    steps: int | None = None  # optimizer steps of the run (its LR schedule spans them)
     timed_steps_ms: list[float] | None = None  # after warm-up, in order (the intervals are computed from them)
     plain_loop_timed_steps_ms: list[float] | None = None
 
@@ -128,6 +130,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         world_size=metrics.get("run", {}).get("world_size", 1),
         provenance=metrics.get("provenance"),
         loss_history=history or None,
+        steps=metrics.get("run", {}).get("steps"),
         timed_steps_ms=timed,
         plain_loop_timed_steps_ms=plain_timed,
     )
@@ -154,17 +157,17 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
 
 
 def _loss_delta(row: BenchRow, base: BenchRow) -> float | None:
-    """Mean of the last ``LOSS_TAIL`` logged losses of ``row`` minus the baseline's, both up to the last step both
-    reached (the bench runs more steps where steps are short)."""
+    """Mean of the last ``LOSS_TAIL`` losses both runs logged at the same steps, ``row`` minus the baseline; None
+    when the runs are not comparable (another number of steps stretches the LR schedule and the data differently)."""
     if not row.loss_history or not base.loss_history:
         return None if row.loss_final is None or base.loss_final is None else row.loss_final - base.loss_final
-    horizon = min(row.loss_history[-1][0], base.loss_history[-1][0])
-
-    def tail(history):
-        kept = [loss for step, loss in history if step <= horizon][-LOSS_TAIL:]
-        return sum(kept) / len(kept)
-
-    return tail(row.loss_history) - tail(base.loss_history)
+    if row.steps != base.steps:
+        return None
+    theirs = dict(base.loss_history)
+    common = [(loss, theirs[step]) for step, loss in row.loss_history if step in theirs][-LOSS_TAIL:]
+    if not common:
+        return None
+    return sum(mine - other for mine, other in common) / len(common)
 
 
 def auto_comparisons(rows: list[BenchRow]) -> list[dict]:

@@ -342,3 +342,56 @@ def test_a_wrong_norm_kernel_loses_the_whole_step_parity(fake_apex, tmp_path, mo
     trainer.train()
     decision = trainer.autotuner.report()[-1]
     assert (decision["component"], decision["backend"], decision["parity_ok"]["apex"]) == ("norms", "torch", False)
+
+
+def _wrong_at_32(m, x):  # right for one hidden size, wrong for another
+    y = F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+    return 2 * y if x.shape[-1] == 32 else y
+
+
+def test_whole_pass_parity_checks_every_size_of_norm(fake_apex, tmp_path, monkeypatch):
+    fake_apex(_wrong_at_32)
+    fix_timings(monkeypatch, {"apex": 0.1, "torch": 2.0})
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32)
+    )
+    t = norm_tuner(tmp_path, {"apex": 0.1, "torch": 2.0})
+    rewire(model, chooser=t.choose_norm)
+    x = torch.randn(4, 8)
+    backend = t.choose_norms(model, autotune.training_pass(model, lambda: model(x).square().mean()), (4, 8), None)
+    assert backend == TORCH and t.decisions[-1].parity_ok[APEX] is False
+
+
+@pytest.mark.parametrize(
+    "kw, prepare",
+    [
+        (dict(label_smoothing_factor=0.1), None),  # compute_loss pops the labels: each pass gets its own dict
+        ({}, lambda model: model.gradient_checkpointing_enable()),  # on the model: the per-norm timing instead
+    ],
+    ids=["label-smoothing", "checkpointing-on-the-model"],
+)
+def test_auto_trains_with_what_changes_the_first_step(fake_apex, tmp_path, monkeypatch, kw, prepare):
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
+    model = tiny_model("gpt2").train()
+    if prepare:
+        prepare(model)
+    trainer = ApexTrainer(model=model, args=auto_args(tmp_path / "x", bf16=False, **kw), train_dataset=TokenDataset())
+    trainer.train()
+    components = [d["component"] for d in trainer.autotuner.report()]
+    assert components[-1] == ("layer_norm" if prepare else "norms")
+
+
+def test_a_failure_on_rank_0_stops_every_rank(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("autotune_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "rank 0 raised ValueError: no candidate can run" in out.stdout
+    assert "rank 1 raised RuntimeError: hf_apex autotune: rank 0 failed deciding norms: ValueError" in out.stdout

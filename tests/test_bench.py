@@ -101,7 +101,7 @@ def test_intervals_resolve_three_percent_and_not_noise():
     steps = _steps(40.0, 200, seed=1)
     lo, hi = median_interval(steps)
     assert lo < float(np.median(steps)) < hi and hi - lo < 0.03 * 40
-    assert median_interval([40.0] * 10) == (40.0, 40.0) and median_interval([40.0]) is None
+    assert median_interval([40.0] * 20) == (40.0, 40.0) and median_interval([40.0] * 19) is None  # < 2 blocks
     resolved = [relative_difference(_steps(41.2, 200, 100 + s), _steps(40.0, 200, 200 + s)) for s in range(10)]
     assert all(0 < d["lo"] < d["value"] < d["hi"] for d in resolved)  # 3 % slower: seen, every time
     same = [relative_difference(_steps(40.0, 200, 300 + s), _steps(40.0, 200, 400 + s)) for s in range(10)]
@@ -207,16 +207,16 @@ def test_published_benchmarks_hold_no_machine_paths():
             assert not found, f"{path.relative_to(REPO)}: {found[:3]}"
 
 
-def test_loss_delta_compares_the_steps_both_runs_reached():
-    """BERT's BF16 rows run 200 steps, its FP32 baseline 60: the loss difference is taken at step 60 or before."""
-
-    def metrics(stage, last_step):
+def test_loss_delta_compares_the_same_logged_steps_of_comparable_runs():
+    def metrics(stage, last_step, every=10, steps=None):
         m = _metrics(stage, 50.0, 5.0, [], {}, {"apex": {}})
-        m["loss_history"] = [{"step": s, "loss": 10.0 - 0.01 * s} for s in range(10, last_step + 1, 10)]
+        m["loss_history"] = [{"step": s, "loss": 10.0 - 0.01 * s} for s in range(every, last_step + 1, every)]
+        m["run"] = {"steps": steps or last_step}
         return m
 
-    rows = add_ratios(
-        [row_from_metrics("bert", metrics("baseline", 70)), row_from_metrics("bert", metrics("auto", 210))]
-    )
-    assert rows[1].loss_delta_vs_baseline == pytest.approx(0.0)  # same curve, compared at the same steps
-    assert rows[1].loss_final == pytest.approx(10.0 - 0.01 * 190)  # its own last losses are still reported
+    base = row_from_metrics("bert", metrics("baseline", 210, every=10))
+    same = row_from_metrics("bert", metrics("auto", 210, every=25))  # logged at other steps: compared where both did
+    longer = row_from_metrics("bert", metrics("fused_full", 210, steps=70))  # another schedule: not comparable
+    add_ratios([base, same, longer])
+    assert same.loss_delta_vs_baseline == pytest.approx(0.0) and longer.loss_delta_vs_baseline is None
+    assert same.loss_final == pytest.approx(10.0 - 0.01 * 150)  # its own last losses are still reported

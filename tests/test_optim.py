@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 
+from hf_apex.kernels import optim
 from hf_apex.kernels.norms import ApexKernelError
 from hf_apex.kernels.optim import FusedAdamFallback, apex_optimizer_cls_and_kwargs
 
@@ -140,3 +141,30 @@ def test_fallback_counts_steps_per_group_like_apex_even_without_grads():
     assert [g["step"] for g in opt.param_groups] == [1, 1]  # apex bumps every non-empty group
     assert not opt.state[frozen_this_step]
     assert opt.hf_apex_route.calls == 1 and opt.hf_apex_route.backend == "fallback"
+
+
+def test_apex_subclass_takes_torch_zero_grad_arguments(monkeypatch):
+    """apex's FusedAdam.zero_grad() takes no argument; torch and torch.distributed.checkpoint pass set_to_none."""
+    import sys
+
+    class ApexLike(optim.FusedAdamFallback):
+        def zero_grad(self):  # apex's signature
+            raise AssertionError("apex's own zero_grad cannot take set_to_none")
+
+    fake = types.ModuleType("apex.optimizers")
+    fake.FusedAdam = fake.FusedLAMB = ApexLike
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.optimizers", fake)
+    optim.apex_optimizer_class.cache_clear()
+    try:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = optim.apex_optimizer_class("fused_adam")([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert p.grad is None and opt.hf_apex_route.backend == "apex"
+        p.grad = torch.ones(3)
+        opt.zero_grad(set_to_none=False)
+        assert torch.equal(p.grad, torch.zeros(3))
+    finally:
+        optim.apex_optimizer_class.cache_clear()

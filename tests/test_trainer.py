@@ -146,6 +146,10 @@ def test_fsdp2_is_accepted_with_apex_optimizers(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     validate_apex_args(train_args(tmp_path, stage="fused_adam"))  # no error: apex steps the local shards
+    with pytest.raises(ValueError, match="fused_lamb.*FSDP2"):  # LAMB's trust ratios need whole parameters
+        validate_apex_args(train_args(tmp_path, apex_optimizer="fused_lamb"))
+    with pytest.raises(ValueError, match="master_weights"):
+        validate_apex_args(train_args(tmp_path, stage="fused_adam", apex_optimizer_kwargs={"master_weights": True}))
     # transformers' own flags (TrainingArguments refuses FSDP without a GPU, so a stand-in carries them)
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert _fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={})) == 2  # transformers' default

@@ -39,30 +39,30 @@ def step_local_shards(optimizer: torch.optim.Optimizer, step: Callable[[Any], An
     from torch.distributed.tensor import DTensor
 
     swapped, moved, empty = [], [], []
-    for group in optimizer.param_groups:
-        params = group["params"]
-        if not any(isinstance(p, DTensor) for p in params):
-            continue
-        local_params = []
-        for p in params:
-            if not isinstance(p, DTensor):
-                local_params.append(p)
-                continue
-            local = p._local_tensor
-            if local.numel() == 0:
-                empty.append(p)
-                continue
-            local.grad = p.grad._local_tensor if p.grad is not None else None
-            state = optimizer.state.pop(p, None)
-            if state:
-                optimizer.state[local] = {
-                    k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()
-                }
-            moved.append((p, local))
-            local_params.append(local)
-        swapped.append((group, params))
-        group["params"] = local_params
     try:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if not any(isinstance(p, DTensor) for p in params):
+                continue
+            local_params = []
+            for p in params:
+                if not isinstance(p, DTensor):
+                    local_params.append(p)
+                    continue
+                local = p._local_tensor
+                if local.numel() == 0:
+                    empty.append(p)
+                    continue
+                local.grad = p.grad._local_tensor if p.grad is not None else None
+                state = optimizer.state.pop(p, None)
+                if state:
+                    optimizer.state[local] = {
+                        k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()
+                    }
+                moved.append((p, local))
+                local_params.append(local)
+            swapped.append((group, params))
+            group["params"] = local_params
         return step(closure)
     finally:
         for group, params in swapped:
@@ -187,7 +187,15 @@ def apex_optimizer_class(name: str) -> type:
         self.hf_apex_route.calls += 1
         return out
 
-    return type(f"Apex{base.__name__}", (base,), {"__init__": __init__, "step": step, "__module__": __name__})
+    def zero_grad(self, set_to_none: bool = True):  # apex's takes no argument; torch (and DCP) pass one
+        if not set_to_none:
+            return torch.optim.Optimizer.zero_grad(self, set_to_none=False)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    members = {"__init__": __init__, "step": step, "zero_grad": zero_grad, "__module__": __name__}
+    return type(f"Apex{base.__name__}", (base,), members)
 
 
 def apex_optimizer_cls_and_kwargs(
