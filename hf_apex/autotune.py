@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
+from .kernels import norms
 from .kernels.availability import environment
 from .kernels.norms import stock_class
 from .kernels.trace import APEX, TORCH
@@ -81,8 +82,6 @@ def training_pass(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -
 
 def _capture(store: dict, module, args) -> None:
     """Forward pre-hook: the first input of each kind of norm whose route would run apex's kernel."""
-    from .kernels import norms
-
     x = args[0]
     amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     kind = (stock_class(module), x.shape[-1], x.dtype, amp)
@@ -282,9 +281,7 @@ class Autotuner:
                     torch.cuda.empty_cache()
         times = {name: min(ms) for name, ms in rounds.items() if name not in out_of_memory}
         backend = min(times, key=times.get)
-        reason = (
-            "faster" if len(times) > 1 else "parity" if not out_of_memory else f"{out_of_memory[0]}: out of memory"
-        )
+        reason = "faster" if len(times) > 1 else f"{out_of_memory[0]}: out of memory" if out_of_memory else "parity"
         if not out_of_memory:  # memory depends on what else the process holds: not for the cache
             self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
         return Decision(component, key, backend, times, parity_ok, reason=reason)
@@ -312,11 +309,13 @@ class Autotuner:
         if why_not:
             self.decisions.append(Decision("optimizer", {}, None, reason=why_not))
             return APEX
+        from torch.distributed.tensor import DTensor
+
         params, total = [], 0
         for param in filter(lambda q: q.requires_grad, model.parameters()):
             # FSDP2: time this rank's shards, the tensors the optimizer will step; rank 0 times alone, so nothing
             # here may run a collective (DTensor ops would)
-            p = param._local_tensor if type(param).__name__ == "DTensor" else param
+            p = param.to_local() if isinstance(param, DTensor) else param
             if p.numel() and total + p.numel() * p.element_size() <= AUTOTUNE_PARAM_BYTES:
                 params.append(p)
                 total += p.numel() * p.element_size()
@@ -370,8 +369,6 @@ class Autotuner:
         matches torch's op on that type's own input in the batch. Rank 0 decides for all ranks; the others do not
         run ``run_step``. Returns the backend, or None when the model has no swapped norm.
         """
-        from .kernels import norms
-
         swapped = [m for m in model.modules() if norms.is_swapped(m)]
         if not swapped:
             return None

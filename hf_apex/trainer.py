@@ -43,10 +43,6 @@ from .training_args import ApexTrainingArguments
 logger = logging.getLogger("hf_apex")
 
 
-def _uses_fsdp(args) -> bool:
-    return _fsdp_version(args) is not None
-
-
 def _fsdp_version(args) -> int | None:
     """1 or 2 when the run is sharded with FSDP (transformers' flags, else `accelerate launch`'s), else None."""
     if getattr(args, "fsdp", None):
@@ -59,16 +55,17 @@ def _fsdp_version(args) -> int | None:
 def validate_apex_args(args: ApexTrainingArguments) -> None:
     """Refuse, before any data or model is loaded, combinations that cannot work: one ``ValueError`` naming
     the real blocker and the fix. ``recipes/finetune.py`` calls it right after parsing; ``ApexTrainer`` too."""
-    if args.apex_optimizer == "fused_lamb" and _fsdp_version(args) == 2:
+    fsdp = _fsdp_version(args)
+    if args.apex_optimizer == "fused_lamb" and fsdp == 2:
         raise ValueError(
             "apex_optimizer='fused_lamb' cannot run under FSDP2: LAMB's trust ratios and global gradient norm need "
             "whole parameters, and each rank holds shards. Use fused_adam, or DDP."
         )
-    if args.apex_optimizer != "none" and _fsdp_version(args) == 2:
+    if args.apex_optimizer != "none" and fsdp == 2:
         master = {"master_weights", "capturable"} & {k for k, v in (args.apex_optimizer_kwargs or {}).items() if v}
         if master:
             raise ValueError(f"apex_optimizer_kwargs {sorted(master)} are not supported under FSDP2 (local shards).")
-    if args.apex_optimizer != "none" and _fsdp_version(args) == 1:
+    if args.apex_optimizer != "none" and fsdp == 1:
         raise ValueError(
             f"apex_optimizer={args.apex_optimizer!r} is not supported under FSDP1 (flat parameters); hf_apex steps "
             "apex's optimizers on FSDP2's DTensor shards. Use FSDP2 (fsdp_config={'version': 2}; accelerate: "
@@ -160,7 +157,7 @@ class ApexTrainer(Trainer):
             self.autotuner is not None
             and args.apex_fused_norms
             and not args.torch_compile
-            and not _uses_fsdp(args)
+            and _fsdp_version(args) is None
             and not args.gradient_checkpointing
             and not getattr(args, "activation_checkpointing", False)
             and not getattr(self.model, "is_gradient_checkpointing", False)  # enabled on the model itself

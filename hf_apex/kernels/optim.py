@@ -36,6 +36,8 @@ def step_local_shards(optimizer: torch.optim.Optimizer, step: Callable[[Any], An
     state too) for the duration of the call, then put back, the new state wrapped as DTensors again. Parameters
     without DTensors are untouched; a rank whose shard of a parameter is empty skips it but keeps its (empty)
     state, so that every rank's optimizer state has the same keys."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return step(closure)  # no DTensor without a process group: nothing to walk on one GPU
     from torch.distributed.tensor import DTensor
 
     swapped, moved, empty = [], [], []
