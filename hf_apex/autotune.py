@@ -102,8 +102,13 @@ def norm_probe(module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None
 
     def fwd_bwd(backend):
         # Identity saved-tensor hooks: an enclosing non-reentrant activation checkpoint (or CPU offload) must not
-        # capture the probe's own graph (it would try to recompute the layer mid-forward).
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        # capture the probe's own graph (it would try to recompute the layer mid-forward). The run's autocast again:
+        # a probe made after the pass has none, and torch's op refuses a bf16 input with fp32 weights without it.
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+            torch.autocast(x.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None),
+        ):
             y = forwards[backend](module, probe)
             return y, torch.autograd.grad(y, [probe, *params], grad_out.to(y.dtype))
 

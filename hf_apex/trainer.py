@@ -14,7 +14,8 @@ Override points (each calls ``super()`` and can be replaced alone):
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
 trainer's switches), ``training_step`` (with autotune, the run's first step first times the model's forward and
-backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`),
+backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
+``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
 ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the
 checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges
 the stage metrics of the current logging window; local, no collective). With plain ``TrainingArguments`` it
@@ -168,7 +169,16 @@ class ApexTrainer(Trainer):
         if self._norms_to_tune:
             self._norms_to_tune = False
             self._choose_norms(self._prepare_inputs(inputs))
-        return super().training_step(model, inputs, *args, **kwargs)
+        try:
+            return super().training_step(model, inputs, *args, **kwargs)
+        except RuntimeError as error:
+            if "find_unused_parameters" in str(error) and self.args.ddp_find_unused_parameters is False:
+                raise RuntimeError(
+                    "hf_apex: DDP stopped on a parameter the previous step did not use. ApexTrainingArguments turn "
+                    "DDP's unused-parameter search off by default (ddp_find_unused_parameters=False, it costs every "
+                    "step); this model needs it: pass --ddp_find_unused_parameters true."
+                ) from error
+            raise
 
     def _choose_norms(self, inputs: dict) -> None:
         raw = self.model  # unwrapped: no DDP hooks or collectives in the timed passes (rank 0 times alone)
@@ -286,7 +296,7 @@ class ApexTrainer(Trainer):
 
     def _ddp_settings(self) -> dict | None:
         """What the DistributedDataParallel wrapper of this run really used (None without DDP)."""
-        ddp = self.model_wrapped
+        ddp = getattr(self.model_wrapped, "_orig_mod", self.model_wrapped)  # torch.compile wraps the DDP module
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             return None
         return {

@@ -58,11 +58,20 @@ class ApexTrainingArguments(TrainingArguments):
         profile_kernels (`bool`, *optional*, defaults to `True`):
             On CUDA, profile one warm-up step with `torch.profiler` and record which apex kernels executed.
 
-        > Defaults that differ from `TrainingArguments` (so that the training loop never waits on the GPU)
+        > Defaults that differ from `TrainingArguments` (so that the training loop never waits on the GPU and DDP does
+        no work per step that these models do not need)
 
         logging_nan_inf_filter (`bool`, *optional*, defaults to `False`):
             The stock filter reads every micro-batch's loss on the host (a device sync per micro-batch) to replace
             a NaN/Inf loss by the running average. Off, a NaN/Inf shows in the logged loss instead of being hidden.
+        ddp_find_unused_parameters (`bool`, *optional*, defaults to `False`):
+            The stock Trainer walks the autograd graph after every forward of a `PreTrainedModel` to find parameters
+            the step left unused; on 2 H200s that walk cost compiled GPT-2 124M 8 % of its step (54.9 vs 50.6 ms).
+            A model that leaves parameters out of some steps (mixture-of-experts routing, LayerDrop, a head the
+            loss does not use) needs `True`; `ApexTrainer` names this flag when DDP stops on such a parameter.
+        ddp_bucket_cap_mb (`int`, *optional*, defaults to `100`):
+            Gradient all-reduce bucket size: fewer, larger all-reduces and, under `torch.compile`, fewer graph
+            pieces (DDP's compiled overlap splits the graph at bucket boundaries) than torch's 25 MB.
         accelerator_config (`dict`, *optional*, defaults to `{"non_blocking": True}` with pinned memory):
             Batches are copied to the GPU asynchronously from pinned memory; accelerate's default copy waits for
             the GPU to finish the previous step. Any `accelerator_config` you pass is used as given.
@@ -70,7 +79,7 @@ class ApexTrainingArguments(TrainingArguments):
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
     > `torch_compile`, `autotune`, `tf32=False`); a value you set that the stage contradicts is a `ValueError`.
-    > Without a stage the `TrainingArguments` defaults apply, except the two above. An explicit `--optim` equal to
+    > Without a stage the `TrainingArguments` defaults apply, except the four above. An explicit `--optim` equal to
     > the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
 
@@ -140,6 +149,10 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
         if self.stage is not None:
             self._apply_stage()
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = False  # no graph walk per step (see the docstring)
+        if self.ddp_bucket_cap_mb is None:
+            self.ddp_bucket_cap_mb = 100
         if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         super().__post_init__()

@@ -2,11 +2,17 @@
 
     make bench                                   # what this runs, with the defaults below
     python recipes/bench.py --models bert gpt2 llama --stages baseline fused_adam fused_adam_ln fused_full
+    python recipes/bench.py --models gpt2 --stages fused_full auto compiled --nproc 1 2   # and DDP scaling
 
 For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path users take) for
 `--warmup + --steps` optimizer steps with a fixed seed, and, unless `--no_plain_loop`, the same model, data,
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
+
+`--nproc` takes one or more world sizes: each model and stage then runs once per size (n > 1 under torchrun,
+DDP, the same per-device batch), in `runs/{model}-{stage}` for one process and `runs/{model}-{stage}-x{n}`
+otherwise, and the table adds a GPUs column and each multi-process row's tokens/s scaling against its 1-process
+run, with a 95 % interval.
 
 Defaults saturate a large GPU: BERT-base on SST-2 at 128 sequences x 128 tokens (padded), GPT-2 124M and a
 ~124M Llama-architecture model (RMSNorm; GPT-2 tokenizer) on WikiText-2 at 16 x 1024. Smaller batches (BERT
@@ -120,10 +126,14 @@ def parse_args(argv=None):
     parser.add_argument("--no_plain_loop", action="store_true", help="skip the plain-loop reference runs")
     parser.add_argument(
         "--nproc",
-        type=int,
-        default=1,
-        help="processes (GPUs) per run, launched with torchrun (DDP); the per-device batch stays as set, "
-        "so the global batch grows with --nproc; plain-loop references run only with 1 process",
+        nargs="+",
+        type=world_size,
+        default=[1],
+        metavar="N",
+        help="processes (GPUs) per run, one or more sizes (e.g. --nproc 1 2): every model and stage runs at each, "
+        "n > 1 with torchrun (DDP); the per-device batch stays as set, so the global batch grows with n; the "
+        "table then reports each n > 1 run's scaling against its 1-process run; plain-loop references run only "
+        "with 1 process",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -138,7 +148,21 @@ def parse_args(argv=None):
         help="reuse runs already in --out_dir/runs (finish an interrupted bench, or fill the table over several "
         "sessions) instead of running them again",
     )
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    if len(set(opts.nproc)) != len(opts.nproc):
+        parser.error(f"argument --nproc: each size once, got {' '.join(map(str, opts.nproc))}")
+    return opts
+
+
+def world_size(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes >= 1")
+    return int(text)
+
+
+def run_name(model: str, stage: str, nproc: int) -> str:
+    """A run's folder under runs/ and its log's name: 1-process runs keep their names of before --nproc sizes."""
+    return f"{model}-{stage}" if nproc == 1 else f"{model}-{stage}-x{nproc}"
 
 
 def model_batch(text: str) -> tuple[str, int]:
@@ -148,7 +172,10 @@ def model_batch(text: str) -> tuple[str, int]:
     return name, int(size)
 
 
-def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
+def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = None) -> list[str]:
+    """recipes/finetune.py's flags for one run of ``nproc`` processes (default: the only size of --nproc)."""
+    if nproc is None:
+        (nproc,) = opts.nproc
     spec, tiny = MODELS[name], TINY[name]
     data = Path(opts.data_dir) if opts.data_dir else None
     tok_dir = data / "tokenizers" / spec["tokenizer"] if data else None
@@ -172,7 +199,7 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
         "--max_steps",
         str(opts.warmup + steps),
         "--max_train_samples",  # what the run reads: no time spent tokenizing the rest
-        str((opts.warmup + steps) * batch * opts.nproc),
+        str((opts.warmup + steps) * batch * nproc),
         "--metrics_warmup_steps",
         str(opts.warmup),
         "--max_eval_samples",
@@ -204,7 +231,7 @@ def finetune_args(name: str, stage: str, opts, out: Path) -> list[str]:
     if overrides:
         args += ["--config_overrides", overrides]
     if not torch.cuda.is_available():
-        args += ["--use_cpu"] + (["--ddp_backend", "gloo"] if opts.nproc > 1 else [])
+        args += ["--use_cpu"] + (["--ddp_backend", "gloo"] if nproc > 1 else [])
     return args
 
 
@@ -244,45 +271,49 @@ def main(argv=None) -> int:
         banner = f"FALLBACK NUMBERS ({why}, no apex kernels): torch fallbacks stand in for apex; not apex results"
     apex_commit = prov["apex"].get("commit", "not installed")[:8] if prov["apex"]["installed"] else "not installed"
     banner += f" | torch {prov['torch']}, transformers {prov['transformers']}, apex {apex_commit}"
-    if opts.nproc > 1:
-        banner += f" | {opts.nproc} processes per run (DDP)"
+    if max(opts.nproc) > 1:
+        sizes = [str(n) for n in opts.nproc]
+        sizes = " and ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
+        banner += f" | {sizes} processes per run (DDP)"
     print(banner, flush=True)
 
     out_dir = Path(opts.out_dir)
     rows = []
-    for name, stage in itertools.product(opts.models, opts.stages):
-        run_dir = out_dir / "runs" / f"{name}-{stage}"
-        metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{name}-{stage}-plain.json"
-        want_plain = not opts.no_plain_loop and opts.nproc == 1
+    for name, stage, nproc in itertools.product(opts.models, opts.stages, opts.nproc):
+        run_id = run_name(name, stage, nproc)
+        run_dir = out_dir / "runs" / run_id
+        metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{run_id}-plain.json"
+        want_plain = not opts.no_plain_loop and nproc == 1
+        label = f"{name:5s} {stage:14s}" + (f" x{nproc}" if len(opts.nproc) > 1 else "")
         t0 = time.time()
         # What defines the run: a kept run is reused only when it was made with these very settings.
-        flags = finetune_args(name, stage, opts, run_dir)
+        flags = finetune_args(name, stage, opts, run_dir, nproc)
         portable = [portable_path(a) if a.startswith("/") else a for a in flags]  # no machine paths on disk
-        settings = {"nproc": opts.nproc, "finetune": portable, "plain": want_plain}
+        settings = {"nproc": nproc, "finetune": portable, "plain": want_plain}
         settings_json = run_dir / "bench_settings.json"
         done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
         if opts.skip_existing and done and _read_json(settings_json) == settings:
-            print(f"  {name:5s} {stage:14s} kept from {run_dir}", flush=True)
+            print(f"  {label} kept from {run_dir}", flush=True)
         else:
             if opts.skip_existing and done:
-                print(f"  {name:5s} {stage:14s} kept run has other settings: running it again", flush=True)
+                print(f"  {label} kept run has other settings: running it again", flush=True)
             settings_json.unlink(missing_ok=True)
             launcher = [sys.executable]
-            if opts.nproc > 1:
-                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(opts.nproc)]
-            run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{name}-{stage}.log")
+            if nproc > 1:
+                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+            run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log")
             if want_plain:
-                plain_args = finetune_args(name, stage, opts, run_dir / "plain")
+                plain_args = finetune_args(name, stage, opts, run_dir / "plain", nproc)
                 run(
                     [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args],
-                    out_dir / f"{name}-{stage}-plain.log",
+                    out_dir / f"{run_id}-plain.log",
                 )
             settings_json.write_text(json.dumps(settings, indent=1))
         plain = json.loads(plain_json.read_text()) if want_plain else None
         row = row_from_metrics(name, json.loads(metrics_json.read_text()), plain)
         rows.append(row)
         p50 = f"{row.step_time_ms_p50:8.1f} ms" if row.step_time_ms_p50 is not None else "n/a"
-        print(f"  {name:5s} {stage:14s} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)
+        print(f"  {label} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)
     add_ratios(rows)
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]

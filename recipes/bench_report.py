@@ -51,7 +51,8 @@ def relative_difference(a: list[float] | None, b: list[float] | None) -> dict | 
 
 @dataclasses.dataclass
 class BenchRow:
-    """One model x stage. Units are in the names; ratios are against the same model's ``baseline``."""
+    """One model x stage x world size. Units are in the names; ratios are against the ``baseline`` of the same
+    model and world size, scaling against the same model and stage on one process."""
 
     model: str
     stage: str
@@ -76,6 +77,8 @@ class BenchRow:
     trainer_overhead: float | None = None  # Trainer p50 / plain-loop p50 - 1
     trainer_overhead_ci: tuple[float, float] | None = None
     world_size: int = 1  # processes (GPUs) in the run; tokens/s is their sum, step time the slowest
+    scaling: float | None = None  # world_size > 1: tokens/s / tokens/s of the same model and stage on 1 process
+    scaling_ci: tuple[float, float] | None = None  # its 95 % interval, from the step times (see add_ratios)
     provenance: dict | None = None
     loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
     steps: int | None = None  # optimizer steps of the run (its LR schedule spans them)
@@ -141,10 +144,12 @@ def _ratio(a, b):
 
 
 def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
-    """Fill the columns that compare each row with its model's baseline row, and the Trainer overhead."""
-    base = {r.model: r for r in rows if r.stage == "baseline"}
+    """Fill the columns that compare each row with the baseline row of its model and world size, the Trainer
+    overhead, and for multi-process rows the scaling against the same model and stage on one process."""
+    base = {(r.model, r.world_size): r for r in rows if r.stage == "baseline"}
+    single = {(r.model, r.stage): r for r in rows if r.world_size == 1}
     for r in rows:
-        b = base.get(r.model)
+        b = base.get((r.model, r.world_size))
         if b is not None:
             r.speedup_vs_baseline = _ratio(b.step_time_ms_p50, r.step_time_ms_p50)
             r.memory_vs_baseline = _ratio(r.peak_memory_allocated_gib, b.peak_memory_allocated_gib)
@@ -153,7 +158,23 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
             r.trainer_overhead = r.step_time_ms_p50 / r.plain_loop_ms_p50 - 1
             diff = relative_difference(r.timed_steps_ms, r.plain_loop_timed_steps_ms)
             r.trainer_overhead_ci = (diff["lo"], diff["hi"]) if diff else None
+        one = single.get((r.model, r.stage)) if r.world_size > 1 else None
+        if one is not None:
+            r.scaling, r.scaling_ci = _scaling(r, one)
     return rows
+
+
+def _scaling(row: BenchRow, one: BenchRow) -> tuple[float | None, tuple[float, float] | None]:
+    """``row``'s tokens/s over ``one``'s (the same model and stage on 1 process), and its 95 % interval.
+
+    The value is the ratio of the runs' tokens/s (summed over processes). The interval comes from the bootstrap
+    of their median step times: with the same tokens per step on each process, scaling = n * t_1 / t_n =
+    n / (1 + d), d = t_n / t_1 - 1 as relative_difference gives it, so d's interval [lo, hi] maps to
+    [n / (1 + hi), n / (1 + lo)]."""
+    n = row.world_size
+    diff = relative_difference(row.timed_steps_ms, one.timed_steps_ms)  # median(t_n) / median(t_1) - 1
+    interval = (n / (1 + diff["hi"]), n / (1 + diff["lo"])) if diff else None
+    return _ratio(row.tokens_per_s, one.tokens_per_s), interval
 
 
 def _loss_delta(row: BenchRow, base: BenchRow) -> float | None:
@@ -171,10 +192,12 @@ def _loss_delta(row: BenchRow, base: BenchRow) -> float | None:
 
 
 def auto_comparisons(rows: list[BenchRow]) -> list[dict]:
-    """Per model: auto's median step time against the faster of ``AUTO_RIVALS``, with its 95 % interval."""
+    """Per model and world size: auto's median step time against the faster of ``AUTO_RIVALS`` run on as many
+    processes, with its 95 % interval."""
     out = []
-    for model in dict.fromkeys(r.model for r in rows):
-        mine = {r.stage: r for r in rows if r.model == model and r.step_time_ms_p50 is not None}
+    for model, size in dict.fromkeys((r.model, r.world_size) for r in rows):
+        same = [r for r in rows if r.model == model and r.world_size == size]
+        mine = {r.stage: r for r in same if r.step_time_ms_p50 is not None}
         rivals = [mine[s] for s in AUTO_RIVALS if s in mine]
         if "auto" not in mine or not rivals:
             continue
@@ -182,7 +205,7 @@ def auto_comparisons(rows: list[BenchRow]) -> list[dict]:
         diff = relative_difference(mine["auto"].timed_steps_ms, best.timed_steps_ms)
         if diff is None:
             diff = {"value": mine["auto"].step_time_ms_p50 / best.step_time_ms_p50 - 1, "lo": None, "hi": None}
-        out.append({"model": model, "auto_vs": best.stage, **diff})
+        out.append({"model": model, "world_size": size, "auto_vs": best.stage, **diff})
     return out
 
 
@@ -194,28 +217,43 @@ def _f(value, fmt: str, none: str = "–") -> str:
     return none if value is None else format(value, fmt)
 
 
+def _scaling_text(row: BenchRow) -> str:
+    if row.scaling is None:
+        return "–"
+    return f"{row.scaling:.2f}×{_interval_text(*(row.scaling_ci or (None, None)), '.2f')}"
+
+
 def format_table(rows: list[BenchRow], banner: str = "") -> str:
     """The markdown table; intervals in brackets are 95 % intervals of the median (see ``BLOCK``), and below
-    the table, auto against the faster of ``AUTO_RIVALS`` per model."""
+    the table, auto against the faster of ``AUTO_RIVALS`` per model (and world size). With any multi-process
+    row, a GPUs column follows the stage and a last column gives the scaling against 1 process."""
+    multi = any(r.world_size > 1 for r in rows)
     head = (
-        "| model | stage | step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
+        "| model | stage | "
+        + ("GPUs | " if multi else "")
+        + "step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
         "loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | kernels verified (profiler) |"
+        + (" scaling vs 1 GPU [95% CI] |" if multi else "")
     )
-    lines = [banner, "", head, "|" + "---|" * 11] if banner else [head, "|" + "---|" * 11]
+    rule = "|" + "---|" * (13 if multi else 11)
+    lines = [banner, "", head, rule] if banner else [head, rule]
     for r in rows:
         fb = " (fallback)" if r.backend == "fallback" else ""
         ci = r.step_time_ms_ci or (None, None)
         over = r.trainer_overhead_ci or (None, None)
+        gpus = f" {r.world_size} |" if multi else ""
+        scaling = f" {_scaling_text(r)} |" if multi else ""
         lines.append(
-            f"| {r.model} | {r.stage}{fb} | {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
+            f"| {r.model} | {r.stage}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
             f"{_f(r.tokens_per_s, ',.0f')} | {_f(r.speedup_vs_baseline, '.2f')}× | "
             f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
             f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
-            f"{_f(r.trainer_overhead, '+.1%')}{_interval_text(*over, '+.1%')} | {r.kernels_verified} |"
+            f"{_f(r.trainer_overhead, '+.1%')}{_interval_text(*over, '+.1%')} | {r.kernels_verified} |{scaling}"
         )
     for c in auto_comparisons(rows):
+        gpus = f" ({c['world_size']} GPUs)" if c["world_size"] > 1 else ""
         lines.append(
-            f"\n{c['model']}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
+            f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
         )
     return "\n".join(lines)
@@ -245,9 +283,15 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict
 COLOURS = {"torch": "#888888", "apex": "#76b900", "apex+torch": "#4f8a10", "fallback": "#e69f00"}
 
 
+def bar_label(row: BenchRow) -> str:
+    """A bar's name in the chart: the stage, and "stage ×n" for a run on n > 1 processes."""
+    return row.stage if row.world_size == 1 else f"{row.stage} ×{row.world_size}"
+
+
 def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
     """Step time (p50, error bars its 95 % interval) and peak VRAM per stage, one pair of panels per model, bars
-    coloured by what ran (fallback bars hatched and named in the legend). Needs the `plot` extra."""
+    coloured by what ran (fallback bars hatched and named in the legend; runs on n > 1 processes named
+    "stage ×n"). Needs the `plot` extra."""
     try:
         import matplotlib
 
@@ -260,7 +304,7 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.4 * len(models)), squeeze=False)
     for ax_row, model in zip(axes, models):
         mine = [r for r in rows if r.model == model]
-        stages = [r.stage for r in mine]
+        stages = [bar_label(r) for r in mine]
         colours = [COLOURS.get(r.backend, "#888888") for r in mine]
         hatches = ["//" if r.backend == "fallback" else "" for r in mine]
         step = [r.step_time_ms_p50 for r in mine]

@@ -1,6 +1,9 @@
 """Run by tests/test_ddp.py under torchrun (or alone): train a tiny GPT-2 a few steps, dump the final parameters.
 
-torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR STAGE PER_DEVICE_BATCH
+torchrun --nproc_per_node 2 tests/ddp_worker.py OUT_DIR STAGE PER_DEVICE_BATCH [unused | unused-search]
+
+`unused` adds a layer the loss never uses (hf_apex's DDP default does not search for it); `unused-search` adds it
+and passes ddp_find_unused_parameters=True.
 """
 
 import os
@@ -15,7 +18,8 @@ from hf_apex import ApexTrainer, ApexTrainingArguments  # noqa: E402
 from tests.testing_utils import TokenDataset, tiny_model  # noqa: E402
 
 
-def main(out_dir: str, stage: str, batch: int) -> None:
+def main(out_dir: str, stage: str, batch: int, variant: str = "") -> None:
+    search = {"ddp_find_unused_parameters": True} if variant == "unused-search" else {}
     args = ApexTrainingArguments(
         output_dir=out_dir,
         stage=stage,
@@ -32,12 +36,15 @@ def main(out_dir: str, stage: str, batch: int) -> None:
         disable_tqdm=True,
         seed=0,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        **search,
     )
     model = tiny_model("gpt2").train()
     model.config.dropout = 0.0
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+    if variant.startswith("unused"):
+        model.unused_head = torch.nn.Linear(4, 4)  # a parameter no step uses
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(n=64))
     trainer.train()
     if args.process_index == 0:  # a common idiom: log something extra from the main process only
@@ -52,4 +59,4 @@ def main(out_dir: str, stage: str, batch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

@@ -395,3 +395,23 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path):
     assert out.returncode != 0
     assert "rank 0 raised ValueError: no candidate can run" in out.stdout
     assert "rank 1 raised RuntimeError: hf_apex autotune: rank 0 failed deciding norms: ValueError" in out.stdout
+
+
+def test_the_norm_probe_runs_under_the_pass_autocast(fake_apex):
+    """Kernel parity is checked after the timed pass, outside its autocast: the probe must replay it (on CUDA,
+    torch's LayerNorm refuses the bf16 input a previous apex norm handed on, next to fp32 weights, without it)."""
+    seen = []
+
+    def kernel(m, x):
+        seen.append((torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)))
+        return _correct(m, x)
+
+    fake_apex(kernel)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16))
+    rewire(model)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert autotune.norm_probe(model[0], x, torch.bfloat16)[1](APEX)
+    assert seen == [(True, torch.bfloat16)]
+    seen.clear()
+    autotune.norm_probe(model[0], x.float(), None)[0](APEX)
+    assert seen == [(False, torch.get_autocast_dtype("cpu"))]

@@ -20,11 +20,23 @@ sys.path.insert(0, str(REPO / "recipes"))
 from bench_report import (  # noqa: E402
     add_ratios,
     auto_comparisons,
+    bar_label,
     format_table,
     median_interval,
     relative_difference,
     row_from_metrics,
+    write_outputs,
 )
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_recipe", REPO / "recipes" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
 
 
 def run_bench(data_dir, tokenizer, out_dir, flags: str) -> subprocess.CompletedProcess:
@@ -220,3 +232,146 @@ def test_loss_delta_compares_the_same_logged_steps_of_comparable_runs():
     add_ratios([base, same, longer])
     assert same.loss_delta_vs_baseline == pytest.approx(0.0) and longer.loss_delta_vs_baseline is None
     assert same.loss_final == pytest.approx(10.0 - 0.01 * 150)  # its own last losses are still reported
+
+
+HEAD_1GPU = (
+    "| model | stage | step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
+    "loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | kernels verified (profiler) |"
+)
+
+
+def _ddp_metrics(stage: str, steps: list[float], world_size: int) -> dict:
+    """A run on ``world_size`` processes: the same tokens per step on each, so tokens/s sums over them."""
+    p50 = float(np.median(steps))
+    m = _metrics(stage, p50, 5.0, [2.0] * 5, {}, {"apex": {}})
+    return {**m, "tokens_per_s": world_size * 1e5 / p50, "steps_ms": steps, "run": {"world_size": world_size}}
+
+
+def test_scaling_against_one_process_and_baselines_per_world_size():
+    one, two = _steps(40.0, 200, seed=11), _steps(42.0, 200, seed=12)
+    rows = [
+        row_from_metrics("gpt2", _ddp_metrics("baseline", _steps(200.0, 200, seed=13), 1)),
+        row_from_metrics("gpt2", _ddp_metrics("fused_full", one, 1)),
+        row_from_metrics("gpt2", _ddp_metrics("auto", _steps(45.0, 200, seed=14), 1)),
+        row_from_metrics("gpt2", _ddp_metrics("torch_fused", _steps(38.0, 200, seed=15), 1)),
+        row_from_metrics("gpt2", _ddp_metrics("baseline", _steps(220.0, 200, seed=16), 2)),
+        row_from_metrics("gpt2", _ddp_metrics("fused_full", two, 2)),
+        row_from_metrics("gpt2", _ddp_metrics("auto", _steps(43.0, 200, seed=17), 2)),
+        row_from_metrics("gpt2", _ddp_metrics("compiled", _steps(41.0, 200, seed=18), 2)),  # no 1-process run
+    ]
+    add_ratios(rows)
+    base1, full1, _, _, base2, full2, _, compiled2 = rows
+    # Scaling: the tokens/s ratio, its interval from the step times' bootstrap (2 / (1 + d), d = t_2 / t_1 - 1).
+    assert full2.world_size == 2 and full2.scaling == pytest.approx(2 * np.median(one) / np.median(two))
+    assert full2.scaling == pytest.approx(full2.tokens_per_s / full1.tokens_per_s)
+    diff = relative_difference(two, one)
+    assert full2.scaling_ci == pytest.approx((2 / (1 + diff["hi"]), 2 / (1 + diff["lo"])))
+    lo, hi = full2.scaling_ci
+    assert 1.85 < lo < full2.scaling < hi < 1.95  # 2 x 40 / 42 = 1.905: resolved, and short of 2
+    assert full1.scaling is None and full1.scaling_ci is None and base1.scaling is None
+    assert compiled2.scaling is None and compiled2.scaling_ci is None  # nothing on 1 process to compare with
+    # Baselines pair by world size: the 2-process rows against the 2-process baseline.
+    assert full1.speedup_vs_baseline == pytest.approx(base1.step_time_ms_p50 / full1.step_time_ms_p50)
+    assert full2.speedup_vs_baseline == pytest.approx(base2.step_time_ms_p50 / full2.step_time_ms_p50)
+    assert base2.speedup_vs_baseline == pytest.approx(1.0)
+    # auto against its rivals of the same world size: torch_fused on 1 process, fused_full on 2.
+    verdicts = {c["world_size"]: c for c in auto_comparisons(rows)}
+    assert verdicts[1]["auto_vs"] == "torch_fused" and verdicts[2]["auto_vs"] == "fused_full"
+    assert verdicts[2]["value"] == pytest.approx(43.0 / 42.0 - 1, abs=0.01)
+    # The table: a GPUs column after the stage, the scaling last.
+    table = format_table(rows, "banner").splitlines()
+    assert table[2] == (
+        "| model | stage | GPUs | step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
+        "loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | kernels verified (profiler) | "
+        "scaling vs 1 GPU [95% CI] |"
+    )
+    assert table[3] == "|" + "---|" * 13
+    assert table[5].startswith("| gpt2 | fused_full | 1 | 4") and table[5].endswith("| none (torch only) | – |")
+    assert re.fullmatch(r"\| gpt2 \| fused_full \| 2 \| .* \| 1\.9\d× \[1\.\d\d, 1\.9\d\] \|", table[9])
+    assert f"{full2.scaling:.2f}× [{lo:.2f}, {hi:.2f}] |" in table[9]
+    assert table[11].startswith("| gpt2 | compiled | 2 |") and table[11].endswith(" | – |")
+    assert all(line.count("|") == 14 for line in table[2:12])
+    text = "\n".join(table)
+    assert "\ngpt2: auto vs torch_fused " in text and "\ngpt2 (2 GPUs): auto vs fused_full " in text
+    # One process only: no new columns, the table as before.
+    single = add_ratios([row_from_metrics("gpt2", _ddp_metrics(s, _steps(40.0, 200, seed=19), 1)) for s in "ab"])
+    table = format_table(single, "banner").splitlines()
+    assert table[2] == HEAD_1GPU and table[3] == "|" + "---|" * 11 and "GPUs" not in "\n".join(table)
+    assert all(line.count("|") == 12 for line in table[2:])
+    # Chart bars tell the world sizes apart.
+    assert [bar_label(r) for r in rows[4:6]] == ["baseline ×2", "fused_full ×2"] and bar_label(full1) == "fused_full"
+
+
+def test_bench_nproc_sizes_and_run_names(capsys):
+    assert bench.parse_args([]).nproc == [1]
+    assert bench.parse_args(["--nproc", "1", "2"]).nproc == [1, 2]
+    assert bench.parse_args(["--nproc", "2"]).nproc == [2]
+    for bad, why in (("1 1", "each size once"), ("0", ">= 1"), ("two", ">= 1")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--nproc", *bad.split()])
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert "argument --nproc" in error and why in error, error
+    assert bench.run_name("gpt2", "fused_full", 1) == "gpt2-fused_full"  # as before: kept runs stay valid
+    assert bench.run_name("gpt2", "fused_full", 2) == "gpt2-fused_full-x2"
+    opts = bench.parse_args(["--nproc", "1", "2", "--steps", "4", "--batch", "gpt2=3", "--tiny"])
+    opts.warmup = 1
+    for n in (1, 2):
+        flags = bench.finetune_args("gpt2", "baseline", opts, Path("out"), n)
+        assert flags[flags.index("--max_train_samples") + 1] == str(5 * 3 * n)
+
+
+def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypatch, capsys):
+    """main() over --nproc 1 2 with the runs faked (synthetic metrics), so it takes no processes at all."""
+    launched = []
+
+    def fake_run(cmd, log):
+        launched.append((cmd, log.name))
+        if cmd[1].endswith("plain_loop.py"):
+            steps = _steps(38.0, 40, seed=20)
+            plain = {"step_time_ms": {"p50": float(np.median(steps))}, "steps_ms": steps, "warmup_steps": 0}
+            Path(cmd[2]).write_text(json.dumps(plain))
+            return
+        n = int(cmd[cmd.index("--nproc_per_node") + 1]) if "--nproc_per_node" in cmd else 1
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = _ddp_metrics(cmd[cmd.index("--stage") + 1], _steps(40.0 + n, 40, seed=21 + n), n)
+        (out / METRICS_FILENAME).write_text(json.dumps(metrics))
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    flags = "--tiny --models gpt2 --stages baseline fused_full --nproc 1 2 --steps 4 --warmup 1 --batch gpt2=3"
+    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: {})  # no chart: fast
+    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 0
+    assert [log for _, log in launched] == [
+        "gpt2-baseline.log",
+        "gpt2-baseline-plain.log",
+        "gpt2-baseline-x2.log",
+        "gpt2-fused_full.log",
+        "gpt2-fused_full-plain.log",
+        "gpt2-fused_full-x2.log",
+    ]
+    for name, n in (("gpt2-baseline", 1), ("gpt2-fused_full-x2", 2)):
+        settings = json.loads((tmp_path / "runs" / name / "bench_settings.json").read_text())
+        assert settings["nproc"] == n and settings["plain"] == (n == 1)
+        assert settings["finetune"][settings["finetune"].index("--max_train_samples") + 1] == str(5 * 3 * n)
+    ddp = [cmd for cmd, log in launched if log.endswith("-x2.log")]
+    assert all(cmd[cmd.index("--nproc_per_node") + 1] == "2" for cmd in ddp)
+    assert not any("--nproc_per_node" in cmd for cmd, log in launched if "-x2" not in log)
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].endswith(" | 1 and 2 processes per run (DDP)")
+    assert re.search(r"^\| gpt2 \| fused_full \| 2 \| .* \| \d\.\d\d× \[\d\.\d\d, \d\.\d\d\] \|$", printed, re.M)
+    assert re.search(r"^\| gpt2 \| fused_full \| 1 \| .* \| – \|$", printed, re.M)
+
+
+def test_outputs_carry_the_world_size_and_scaling(tmp_path):
+    rows = [
+        row_from_metrics("gpt2", _ddp_metrics(stage, _steps(p50, 40, seed=30 + i), n))
+        for i, (stage, p50, n) in enumerate((("baseline", 100.0, 1), ("baseline", 104.0, 2)))
+    ]
+    add_ratios(rows)
+    paths = write_outputs(rows, tmp_path, "banner | 1 and 2 processes per run (DDP)", {"nproc": [1, 2]})
+    data = json.loads(paths["json"].read_text())
+    assert [r["world_size"] for r in data["rows"]] == [1, 2]
+    assert data["rows"][0]["scaling"] is None and data["rows"][1]["scaling"] == pytest.approx(rows[1].scaling)
+    assert data["rows"][1]["scaling_ci"] == pytest.approx(list(rows[1].scaling_ci))
+    assert "scaling_ci" in paths["csv"].read_text().splitlines()[0]
+    assert "| GPUs |" in paths["md"].read_text()

@@ -17,20 +17,26 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 REPO = WORKER.parents[1]
 
 
-def launch(out: Path, stage: str, nproc: int, batch: int) -> None:
+def launch(out: Path, stage: str, nproc: int, batch: int, variant: str = "", check: bool = True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     if nproc == 1:
         cmd = [sys.executable]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.run(
-        [*cmd, str(WORKER), str(out), stage, str(batch)],
+        [*cmd, str(WORKER), str(out), stage, str(batch), *([variant] if variant else [])],
         capture_output=True,
         text=True,
         timeout=300,  # a collective in Trainer.log would hang the rank-0-only log of the worker
         env=env,
         cwd=REPO,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 @pytest.mark.parametrize("stage", ["baseline", "fused_adam_ln"])
@@ -49,11 +55,21 @@ def test_two_process_ddp_matches_one_process(stage, tmp_path):
     ddp = json.loads((tmp_path / "ddp" / METRICS_FILENAME).read_text())
     one = json.loads((tmp_path / "single" / METRICS_FILENAME).read_text())
     assert ddp["run"]["world_size"] == 2 and one["run"]["world_size"] == 1
-    # the DDP wrapper's settings as used (transformers searches unused parameters for a PreTrainedModel)
-    assert ddp["ddp"]["find_unused_parameters"] is True and ddp["ddp"]["static_graph"] is False
-    assert ddp["ddp"]["bucket_cap_mb"] == 25 and one["ddp"] is None
+    # the DDP wrapper's settings as used: hf_apex's defaults (no unused-parameter search, 100 MB buckets)
+    assert ddp["ddp"]["find_unused_parameters"] is False and ddp["ddp"]["static_graph"] is False
+    assert ddp["ddp"]["bucket_cap_mb"] == 100 and one["ddp"] is None
     # Tokens are summed over the ranks: each step of both runs covers the same 4 x 16 tokens.
     assert ddp["run"]["steps"] == one["run"]["steps"] == 5
     tokens_per_step_ddp = ddp["tokens_per_s"] * sum(ddp["steps_ms"][1:]) / 1e3 / 4
     assert tokens_per_step_ddp == pytest.approx(64, rel=1e-3)  # steps_ms is rounded to 0.1 µs in the JSON
     assert not (tmp_path / "ddp" / "hf_apex_metrics.json.tmp").exists()
+
+
+def test_an_unused_parameter_names_the_flag_that_trains_it(tmp_path):
+    """hf_apex's DDP default skips the unused-parameter search; a model that needs it gets the flag named, and
+    trains with it."""
+    proc = launch(tmp_path / "default", "baseline", nproc=2, batch=2, variant="unused", check=False)
+    assert proc.returncode != 0 and "--ddp_find_unused_parameters true" in proc.stdout + proc.stderr
+    launch(tmp_path / "search", "baseline", nproc=2, batch=2, variant="unused-search")
+    metrics = json.loads((tmp_path / "search" / METRICS_FILENAME).read_text())
+    assert metrics["ddp"]["find_unused_parameters"] is True and metrics["run"]["steps"] == 5

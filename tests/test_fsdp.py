@@ -16,7 +16,11 @@ REPO = WORKER.parents[1]
 
 def launch(out: Path, nproc: int, cuda: bool = False) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     env |= {"HF_APEX_TEST_CUDA": "1", "NCCL_NVLS_ENABLE": "0"} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [*(cmd if nproc > 1 else [sys.executable]), str(WORKER), str(out)],

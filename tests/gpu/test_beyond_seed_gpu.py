@@ -1,5 +1,6 @@
 """Beyond-seed rungs on the GPU: `auto` decides per component and a second trainer takes the same decisions from
-the cache; `compiled` follows the eager BF16 loss curve."""
+the cache (GPT-2, whose residual stream stays fp32, and BERT, whose norms hand bf16 to the next norm); `compiled`
+follows the eager BF16 loss curve."""
 
 import json
 
@@ -14,9 +15,20 @@ from tests.testing_utils import TokenDataset, loss_curve_agreement, require_apex
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
 
 
-def train(tmp_path, stage, steps=30, **kw):
+MODELS = {
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6)), "lm", 512),
+    "bert": (
+        lambda: transformers.BertForSequenceClassification(transformers.BertConfig(num_hidden_layers=4)),
+        "cls",
+        128,
+    ),
+}
+
+
+def train(tmp_path, stage, steps=30, model_name="gpt2", **kw):
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6))
+    build, task, seq = MODELS[model_name]
+    model = build()
     args = ApexTrainingArguments(
         output_dir=str(tmp_path),
         stage=stage,
@@ -30,21 +42,22 @@ def train(tmp_path, stage, steps=30, **kw):
         disable_tqdm=True,
         **kw,
     )
-    dataset = TokenDataset(n=steps * 8, seq=512, vocab=model.config.vocab_size)
+    dataset = TokenDataset(n=steps * 8, seq=seq, task=task, vocab=model.config.vocab_size)
     trainer = ApexTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     return json.loads((tmp_path / METRICS_FILENAME).read_text())
 
 
-def test_auto_decides_every_component_and_a_second_trainer_reuses_the_decisions(tmp_path):
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_auto_decides_every_component_and_a_second_trainer_reuses_the_decisions(tmp_path, model_name):
     cache = tmp_path / "autotune.json"
-    first = train(tmp_path / "a", "auto", autotune_cache=str(cache))
+    first = train(tmp_path / "a", "auto", model_name=model_name, autotune_cache=str(cache))
     components = {d["component"] for d in first["autotune"]}
     assert {"optimizer", "norms"} <= components  # norms: decided on whole forward + backward passes
     for d in first["autotune"]:
         assert not d["cached"] and set(d["times_ms"]) == set(d["parity_ok"]) == {"apex", "torch"}
         assert d["parity_ok"]["apex"], d  # apex matches torch on this GPU
-    second = train(tmp_path / "b", "auto", autotune_cache=str(cache))
+    second = train(tmp_path / "b", "auto", model_name=model_name, autotune_cache=str(cache))
     assert [(d["component"], d["backend"]) for d in second["autotune"]] == [
         (d["component"], d["backend"]) for d in first["autotune"]
     ]
