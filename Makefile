@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
 BENCH_STAGES ?=
-# BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun); same per-device batch, twice the global batch
+# BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun), same per-device batch; BENCH_NPROC="1 2": both, with scaling
 BENCH_NPROC ?=
 BENCH_STEPS ?=
 BENCH_WARMUP ?=
