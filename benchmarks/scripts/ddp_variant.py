@@ -1,0 +1,50 @@
+"""One GPT-2 16x1024 run through recipes/finetune.py with extra TrainingArguments flags; prints a one-line summary.
+usage: OUT=<dir> python benchmarks/scripts/ddp_variant.py NAME NPROC STAGE STEPS [finetune flags...]
+Environment variables pass through to the run."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, "recipes")
+import bench  # noqa: E402
+
+name, nproc, stage, steps, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5:]
+opts = bench.parse_args(["--data_dir", ".deps/data", "--nproc", str(nproc), "--steps", str(steps)])
+opts.warmup, opts.tiny = 10, False
+out = Path("/tmp/ddpv") / name
+flags = bench.finetune_args("gpt2", stage, opts, out) + extra
+launcher = [sys.executable] + (
+    ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+)
+log = Path(os.environ["OUT"]) / "ddp_logs" / f"{name}.log"
+log.parent.mkdir(parents=True, exist_ok=True)
+t0 = time.time()
+with log.open("w") as f:
+    rc = subprocess.run(launcher + ["recipes/finetune.py", *flags], stdout=f, stderr=subprocess.STDOUT).returncode
+wall = time.time() - t0
+m = out / "hf_apex_metrics.json"
+row = {"name": name, "nproc": nproc, "stage": stage, "rc": rc, "wall_s": round(wall)}
+if m.is_file():
+    d = json.loads(m.read_text())
+    row.update(
+        p50=round(d["step_time_ms"]["p50"], 2),
+        p20=round(d["step_time_ms"]["p20"], 2),
+        p80=round(d["step_time_ms"]["p80"], 2),
+        tok_s=round(d["tokens_per_s"]),
+        mfu=d["mfu"],
+        mem=round(d["peak_memory_allocated_gib"], 2),
+        first_ms=round(d["run"]["first_step_ms"]),
+        ddp=d.get("ddp"),
+        world=d["run"]["world_size"],
+        loss=d["loss"],
+        steps_ms=d["steps_ms"],
+        loss_history=d.get("loss_history"),
+        mem_reserved=d.get("peak_memory_reserved_gib"),
+    )
+with open(Path(os.environ["OUT"]) / "ddp_variants.jsonl", "a") as f:
+    f.write(json.dumps(row) + "\n")
+print({k: v for k, v in row.items() if k not in ("steps_ms", "loss_history")}, flush=True)
