@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import bench  # noqa: E402
 name, nproc, stage, steps, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 opts = bench.parse_args(["--data_dir", ".deps/data", "--nproc", str(nproc), "--steps", str(steps)])
 opts.warmup, opts.tiny = 10, False
-out = Path("/tmp/ddpv") / name
+out = Path(tempfile.gettempdir()) / "ddpv" / name
 flags = bench.finetune_args("gpt2", stage, opts, out) + extra
 launcher = [sys.executable] + (
     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
