@@ -10,13 +10,15 @@ APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
-# recipes/bench.py. CUDA: bert gpt2 llama x all seven stages, 10 warm-up + 200 (bert) or 60 timed steps, BERT 128x128,
-# GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
+# recipes/bench.py. CUDA: bert gpt2 llama x all seven stages, 10 warm-up + 60 timed steps (BERT's BF16 stages:
+# 3 runs of 100), BERT 128x128, GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
 BENCH_STAGES ?=
 # BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun), same per-device batch; BENCH_NPROC="1 2": both, with scaling
 BENCH_NPROC ?=
 BENCH_STEPS ?=
+# BENCH_REPEATS=3: every row run 3 times (fresh processes, in rounds); default 3 for BERT's BF16 stages, else 1
+BENCH_REPEATS ?=
 BENCH_WARMUP ?=
 BENCH_BATCH ?=
 BENCH_DIR ?= .bench
@@ -60,6 +62,7 @@ bench: install
 	$(PYTHON) recipes/bench.py --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS),) \
 	  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES),) $(if $(BENCH_NPROC),--nproc $(BENCH_NPROC),) \
 	  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS),) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP),) \
+	  $(if $(BENCH_REPEATS),--repeats $(BENCH_REPEATS),) \
 	  $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
 
 doctor:

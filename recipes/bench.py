@@ -9,6 +9,10 @@ For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path us
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
 
+`--repeats N` runs each row N times, each run a fresh process, in rounds (every stage of a model once per round),
+as `runs/{model}-{stage}`, `runs/{model}-{stage}-r2`, ...; the row pools their steps and its 95 % intervals
+include how much the runs differ (`recipes/bench_report.py`). BERT's BF16 stages default to 3 runs on CUDA.
+
 `--nproc` takes one or more world sizes: each model and stage then runs once per size (n > 1 under torchrun,
 DDP, the same per-device batch), in `runs/{model}-{stage}` for one process and `runs/{model}-{stage}-x{n}`
 otherwise, and the table adds a GPUs column and each multi-process row's tokens/s scaling against its 1-process
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_report import add_ratios, format_table, row_from_metrics, write_outputs  # recipes/ is on sys.path
+from bench_report import add_ratios, format_table, row_from_runs, write_outputs  # recipes/ is on sys.path
 
 from hf_apex import STAGES
 from hf_apex.kernels.availability import blocker, portable_path
@@ -62,9 +66,11 @@ MODELS = {
         shape=["--pad_to_max_length", "--max_seq_length", "128"],
         batch=128,
         eval_samples=512,
-        # BF16: ~35 ms host-bound steps that slow down in bursts; 200 of them resolve 3 % (tests/test_bench.py).
-        # FP32: ~200 ms device-bound steady steps.
-        steps=200,
+        # BF16: ~35 ms host-bound steps that slow down in bursts, and differ by up to 10 % from one process to the
+        # next: 3 runs of 100 steps each, interleaved with the other stages' (tests/test_bench.py). FP32: ~200 ms
+        # device-bound steady steps, one run.
+        steps=100,
+        repeats=3,
         fp32_steps=60,
     ),
     "gpt2": {**_CAUSAL_LM, "model_type": "gpt2"},
@@ -108,7 +114,16 @@ def parse_args(argv=None):
         "--steps",
         type=int,
         default=None,
-        help="timed optimizer steps (default on CUDA: 60, and 200 for BERT's BF16 stages; on CPU: 6)",
+        help="timed optimizer steps per run (default on CUDA: 60, and 100 for BERT's BF16 stages; on CPU: 6)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=world_size,
+        default=None,
+        metavar="N",
+        help="runs per row, each a fresh process, interleaved with the other stages' runs of the model; the row "
+        "pools them and its intervals include how much runs differ (default on CUDA: 3 for BERT's BF16 stages, "
+        "whose host-bound steps vary between processes, 1 elsewhere; on CPU: 1)",
     )
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed warm-up steps (default 10 on CUDA, 2 on CPU)"
@@ -160,9 +175,18 @@ def world_size(text: str) -> int:
     return int(text)
 
 
-def run_name(model: str, stage: str, nproc: int) -> str:
-    """A run's folder under runs/ and its log's name: 1-process runs keep their names of before --nproc sizes."""
-    return f"{model}-{stage}" if nproc == 1 else f"{model}-{stage}-x{nproc}"
+def run_name(model: str, stage: str, nproc: int, repeat: int = 0) -> str:
+    """A run's folder under runs/ and its log's name: the first 1-process run keeps its name of before --nproc
+    sizes and --repeats; later runs of the same row end in -r2, -r3..."""
+    name = f"{model}-{stage}" if nproc == 1 else f"{model}-{stage}-x{nproc}"
+    return name if repeat == 0 else f"{name}-r{repeat + 1}"
+
+
+def repeats(name: str, stage: str, opts) -> int:
+    """Runs of this model and stage: --repeats, else the model's default for its precision (one on CPU)."""
+    if opts.repeats:
+        return opts.repeats
+    return 1 if opts.tiny else MODELS[name].get("repeats" if STAGES[stage].bf16 else "fp32_repeats", 1)
 
 
 def model_batch(text: str) -> tuple[str, int]:
@@ -253,6 +277,47 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}")
 
 
+def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Path) -> tuple[dict, dict | None]:
+    """One run of a model and stage on ``nproc`` processes, and its plain-loop reference (one process only):
+    their results, read back from disk, where a kept run made with the same settings is reused
+    (``--skip_existing``)."""
+    run_id = run_name(name, stage, nproc, repeat)
+    run_dir = out_dir / "runs" / run_id
+    metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{run_id}-plain.json"
+    want_plain = not opts.no_plain_loop and nproc == 1
+    label = f"{name:5s} {stage:14s}" + (f" x{nproc}" if len(opts.nproc) > 1 else "")
+    if repeat or repeats(name, stage, opts) > 1:
+        label += f" run {repeat + 1}/{repeats(name, stage, opts)}"
+    t0 = time.time()
+    # What defines the run: a kept run is reused only when it was made with these very settings.
+    flags = finetune_args(name, stage, opts, run_dir, nproc)
+    portable = [portable_path(a) if a.startswith("/") else a for a in flags]  # no machine paths on disk
+    settings = {"nproc": nproc, "finetune": portable, "plain": want_plain}
+    settings_json = run_dir / "bench_settings.json"
+    done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
+    if opts.skip_existing and done and _read_json(settings_json) == settings:
+        print(f"  {label} kept from {run_dir}", flush=True)
+    else:
+        if opts.skip_existing and done:
+            print(f"  {label} kept run has other settings: running it again", flush=True)
+        settings_json.unlink(missing_ok=True)
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log")
+        if want_plain:
+            plain_args = finetune_args(name, stage, opts, run_dir / "plain", nproc)
+            run(
+                [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args],
+                out_dir / f"{run_id}-plain.log",
+            )
+        settings_json.write_text(json.dumps(settings, indent=1))
+    metrics = json.loads(metrics_json.read_text())
+    p50 = (metrics.get("step_time_ms") or {}).get("p50")
+    print(f"  {label} p50 {f'{p50:8.1f} ms' if p50 is not None else 'n/a'}  ({time.time() - t0:.0f} s)", flush=True)
+    return metrics, json.loads(plain_json.read_text()) if want_plain else None
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -278,42 +343,17 @@ def main(argv=None) -> int:
     print(banner, flush=True)
 
     out_dir = Path(opts.out_dir)
+    runs: dict[tuple, list] = {}  # (model, stage, nproc) -> [(metrics, plain-loop result or None)] in run order
+    for name in opts.models:
+        # Round by round, each stage once per round: a slow spell of the machine cannot fall on one stage's runs only.
+        rounds = max(repeats(name, stage, opts) for stage in opts.stages)
+        for repeat, stage, nproc in itertools.product(range(rounds), opts.stages, opts.nproc):
+            if repeat < repeats(name, stage, opts):
+                runs.setdefault((name, stage, nproc), []).append(bench_run(name, stage, nproc, repeat, opts, out_dir))
     rows = []
-    for name, stage, nproc in itertools.product(opts.models, opts.stages, opts.nproc):
-        run_id = run_name(name, stage, nproc)
-        run_dir = out_dir / "runs" / run_id
-        metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{run_id}-plain.json"
-        want_plain = not opts.no_plain_loop and nproc == 1
-        label = f"{name:5s} {stage:14s}" + (f" x{nproc}" if len(opts.nproc) > 1 else "")
-        t0 = time.time()
-        # What defines the run: a kept run is reused only when it was made with these very settings.
-        flags = finetune_args(name, stage, opts, run_dir, nproc)
-        portable = [portable_path(a) if a.startswith("/") else a for a in flags]  # no machine paths on disk
-        settings = {"nproc": nproc, "finetune": portable, "plain": want_plain}
-        settings_json = run_dir / "bench_settings.json"
-        done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
-        if opts.skip_existing and done and _read_json(settings_json) == settings:
-            print(f"  {label} kept from {run_dir}", flush=True)
-        else:
-            if opts.skip_existing and done:
-                print(f"  {label} kept run has other settings: running it again", flush=True)
-            settings_json.unlink(missing_ok=True)
-            launcher = [sys.executable]
-            if nproc > 1:
-                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-            run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log")
-            if want_plain:
-                plain_args = finetune_args(name, stage, opts, run_dir / "plain", nproc)
-                run(
-                    [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args],
-                    out_dir / f"{run_id}-plain.log",
-                )
-            settings_json.write_text(json.dumps(settings, indent=1))
-        plain = json.loads(plain_json.read_text()) if want_plain else None
-        row = row_from_metrics(name, json.loads(metrics_json.read_text()), plain)
-        rows.append(row)
-        p50 = f"{row.step_time_ms_p50:8.1f} ms" if row.step_time_ms_p50 is not None else "n/a"
-        print(f"  {label} p50 {p50}  ({time.time() - t0:.0f} s)", flush=True)
+    for (name, _, _), done in runs.items():
+        plains = [plain for _, plain in done]
+        rows.append(row_from_runs(name, [metrics for metrics, _ in done], plains if all(plains) else None))
     add_ratios(rows)
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]

@@ -12,11 +12,35 @@ from pathlib import Path
 import numpy as np
 
 LOSS_TAIL = 5  # losses averaged at the end of a run for the loss comparison
-# Intervals: 95 % moving-block bootstrap of the median step time. Slow steps come in bursts (another tenant
-# on the host, a clock change) that last several steps, so steps are resampled in contiguous blocks.
+# Intervals (95 %). Processes differ: on an H200 on 2026-12-01 two plain-loop runs of BERT's fused_full
+# configuration (host-bound BF16 steps) took 36.9 and 40.9 ms p50 in one bench, and within a run the eager BERT
+# step shifts level for tens of steps at a time (benchmarks/h200-2026-11-30-ladder/runs). So a row of several runs
+# (bench --repeats) is summed up by the run medians: its p50 is their geometric mean, its interval a t-interval of
+# their logarithms, and two rows with as many runs are compared run by run (run i of each ran in the same round of
+# the bench), else by Welch's interval. A row of one run can only show its own spread: a moving-block bootstrap of
+# the median over its steps, in blocks of BLOCK steps (slow steps come in bursts); the table says so.
 BLOCK, RESAMPLES, LEVEL = 10, 4000, 0.95
 # Rows compared with auto: it should be no slower than the faster of these.
 AUTO_RIVALS = ("fused_full", "torch_fused")
+
+Runs = list[list[float]]  # one list of timed step times per run (process), in order
+
+
+def as_runs(steps: list[float] | Runs | None) -> Runs | None:
+    """``steps`` as a list of runs: one run's step times (a flat list) become a list of one run."""
+    if not steps:
+        return None
+    return [list(steps)] if isinstance(steps[0], (int, float)) else [list(r) for r in steps]
+
+
+def _t95(dof: float) -> float:
+    """Student's t, two-sided 95 %: exact to 10 degrees of freedom, then 1.96 + 2.5 / dof (within 1 %)."""
+    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+    return table[max(int(dof), 1) - 1] if dof < 11 else 1.96 + 2.5 / dof
+
+
+def _log_medians(runs: Runs) -> np.ndarray:
+    return np.log([np.median(r) for r in runs])
 
 
 def _resampled_medians(steps: list[float], rng: np.random.Generator) -> np.ndarray:
@@ -32,17 +56,49 @@ def _interval(samples: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def median_interval(steps: list[float] | None) -> tuple[float, float] | None:
-    """95 % interval of the median of ``steps`` (per-step times in order), or None for fewer than two blocks of
-    steps (too few to say anything about the spread)."""
-    if not steps or len(steps) < 2 * BLOCK:
+def typical_step(steps: list[float] | Runs | None) -> float | None:
+    """The median step time of one run; over several runs, the geometric mean of their medians."""
+    runs = as_runs(steps)
+    if not runs:
         return None
-    return _interval(_resampled_medians(steps, np.random.default_rng(0)))
+    return float(np.median(runs[0])) if len(runs) == 1 else float(np.exp(_log_medians(runs).mean()))
 
 
-def relative_difference(a: list[float] | None, b: list[float] | None) -> dict | None:
-    """median(a) / median(b) - 1, with its 95 % interval (a and b resampled independently)."""
-    if not a or not b or min(len(a), len(b)) < 2 * BLOCK:
+def median_interval(steps: list[float] | Runs | None) -> tuple[float, float] | None:
+    """95 % interval of :func:`typical_step` of ``steps`` (one run's step times in order, or a list of runs), or
+    None for one run of fewer than two blocks of steps (too few to say anything about the spread)."""
+    runs = as_runs(steps)
+    if not runs:
+        return None
+    if len(runs) > 1:
+        logs = _log_medians(runs)
+        half = _t95(len(runs) - 1) * logs.std(ddof=1) / np.sqrt(len(runs))
+        return float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+    if len(runs[0]) < 2 * BLOCK:
+        return None
+    return _interval(_resampled_medians(runs[0], np.random.default_rng(0)))
+
+
+def relative_difference(a: list[float] | Runs | None, b: list[float] | Runs | None) -> dict | None:
+    """typical_step(a) / typical_step(b) - 1, with its 95 % interval: run by run when both have as many runs (more
+    than one), by Welch's interval when both have several, else by the bootstrap of one run against the other
+    (each side's runs pooled; the interval then leaves out run-to-run variation)."""
+    a, b = as_runs(a), as_runs(b)
+    if not a or not b:
+        return None
+    if len(a) > 1 and len(b) > 1:
+        la, lb = _log_medians(a), _log_medians(b)
+        if len(a) == len(b):
+            d = la - lb
+            mean, se, dof = d.mean(), d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
+        else:
+            va, vb = la.var(ddof=1) / len(la), lb.var(ddof=1) / len(lb)
+            mean, se = la.mean() - lb.mean(), np.sqrt(va + vb)
+            dof = (va + vb) ** 2 / (va**2 / (len(la) - 1) + vb**2 / (len(lb) - 1)) if va + vb else len(a) + len(b) - 2
+        half = _t95(dof) * se
+        return {"value": float(np.expm1(mean)), "lo": float(np.expm1(mean - half)), "hi": float(np.expm1(mean + half))}
+    a, b = [t for r in a for t in r], [t for r in b for t in r]
+    if min(len(a), len(b)) < 2 * BLOCK:
         return None
     rng = np.random.default_rng(0)
     lo, hi = _interval(_resampled_medians(a, rng) / _resampled_medians(b, rng) - 1)
@@ -60,7 +116,7 @@ class BenchRow:
     step_time_ms_p50: float | None
     step_time_ms_p20: float | None
     step_time_ms_p80: float | None
-    step_time_ms_ci: tuple[float, float] | None  # 95 % interval of the p50 (see BLOCK)
+    step_time_ms_ci: tuple[float, float] | None  # 95 % interval of the p50 over the row's runs (see BLOCK)
     tokens_per_s: float | None
     peak_memory_allocated_gib: float | None
     peak_memory_reserved_gib: float | None
@@ -82,8 +138,9 @@ class BenchRow:
     provenance: dict | None = None
     loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
     steps: int | None = None  # optimizer steps of the run (its LR schedule spans them)
-    timed_steps_ms: list[float] | None = None  # after warm-up, in order (the intervals are computed from them)
-    plain_loop_timed_steps_ms: list[float] | None = None
+    runs: int = 1  # processes run one after another for this row (bench --repeats); the figures pool them
+    timed_steps_ms: Runs | None = None  # per run, the steps after warm-up in order (the intervals come from them)
+    plain_loop_timed_steps_ms: Runs | None = None
 
 
 def _backend(calls: dict, fallback: bool) -> str:
@@ -93,6 +150,37 @@ def _backend(calls: dict, fallback: bool) -> str:
     apex = any(c.get("apex", 0) for c in calls.values())
     torch_chosen = any(c.get("torch", 0) for c in calls.values())
     return "apex+torch" if apex and torch_chosen else "apex" if apex else "torch"
+
+
+def row_from_runs(model: str, runs: list[dict], plains: list[dict] | None = None) -> BenchRow:
+    """One row from several runs of the same model, stage and settings (their ``hf_apex_metrics.json``, and the
+    plain-loop reference of each, if run): p50 the geometric mean of the runs' medians (see ``typical_step``), p20
+    and p80 of their steps pooled, tokens/s and MFU the runs' medians, peak memory their maximum, losses and kernels
+    from the first run (the same seed), fallback if any run fell back."""
+    every = [row_from_metrics(model, m, p) for m, p in zip(runs, plains or [None] * len(runs))]
+    row = every[0]
+    if len(every) == 1:
+        return row
+    timed = [r.timed_steps_ms[0] for r in every if r.timed_steps_ms]
+    plain_timed = [r.plain_loop_timed_steps_ms[0] for r in every if r.plain_loop_timed_steps_ms]
+    if len(timed) == len(every):
+        row.step_time_ms_p20, row.step_time_ms_p80 = map(float, np.quantile([t for r in timed for t in r], [0.2, 0.8]))
+        row.step_time_ms_p50, row.step_time_ms_ci = typical_step(timed), median_interval(timed)
+        row.timed_steps_ms = timed
+    if plain_timed and len(plain_timed) == len(every):
+        row.plain_loop_timed_steps_ms, row.plain_loop_ms_p50 = plain_timed, typical_step(plain_timed)
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return float(np.median(values)) if values else None
+
+    row.tokens_per_s, row.mfu = median(r.tokens_per_s for r in every), median(r.mfu for r in every)
+    for field in ("peak_memory_allocated_gib", "peak_memory_reserved_gib", "plain_loop_peak_memory_gib"):
+        setattr(row, field, max((getattr(r, field) for r in every if getattr(r, field) is not None), default=None))
+    if any(r.backend == "fallback" for r in every):
+        row.backend = "fallback"
+    row.runs = len(every)
+    return row
 
 
 def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> BenchRow:
@@ -134,8 +222,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         provenance=metrics.get("provenance"),
         loss_history=history or None,
         steps=metrics.get("run", {}).get("steps"),
-        timed_steps_ms=timed,
-        plain_loop_timed_steps_ms=plain_timed,
+        timed_steps_ms=as_runs(timed),
+        plain_loop_timed_steps_ms=as_runs(plain_timed),
     )
 
 
@@ -256,7 +344,26 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
         )
+    if any(r.step_time_ms_ci for r in rows):
+        lines.append("\n" + interval_note(rows))
     return "\n".join(lines)
+
+
+def interval_note(rows: list[BenchRow]) -> str:
+    """What the intervals are made of: how many runs each row has, and a warning for rows of one run."""
+    single = (
+        f"its steps resampled in blocks of {BLOCK}: such an interval leaves out how much a second run of the same row "
+        "could differ (--repeats N runs each row N times, interleaved)"
+    )
+    if all(r.runs == 1 for r in rows):
+        return f"95 % intervals: one run per row, {single}."
+    groups = {n: [f"{r.model} {bar_label(r)}" for r in rows if r.runs == n] for n in sorted({r.runs for r in rows})}
+    several = "; ".join(f"{n} runs: {', '.join(names)}" for n, names in groups.items() if n > 1)
+    return (
+        f"95 % intervals. Rows of several runs ({several}) give p50 as the geometric mean of their runs' medians, "
+        "with a t-interval over the runs (run by run against a row of as many runs, which ran in the same rounds)"
+        + (f"; the other rows are one run, {single}." if 1 in groups else ".")
+    )
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict) -> dict[str, Path]:

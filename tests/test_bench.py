@@ -25,6 +25,8 @@ from bench_report import (  # noqa: E402
     median_interval,
     relative_difference,
     row_from_metrics,
+    row_from_runs,
+    typical_step,
     write_outputs,
 )
 
@@ -135,7 +137,7 @@ def test_trainer_overhead_and_auto_verdict_carry_intervals():
     ]
     add_ratios(rows)
     full = rows[1]
-    assert full.timed_steps_ms == trainer and full.plain_loop_timed_steps_ms == plain
+    assert full.timed_steps_ms == [trainer] and full.plain_loop_timed_steps_ms == [plain] and full.runs == 1
     lo, hi = full.trainer_overhead_ci
     assert 0 < lo < full.trainer_overhead < hi and full.trainer_overhead == pytest.approx(0.05, abs=0.01)
     (verdict,) = auto_comparisons(rows)
@@ -144,6 +146,70 @@ def test_trainer_overhead_and_auto_verdict_carry_intervals():
     assert re.search(r"\| fused_full \| 4\d\.\d \[4\d\.\d, 4\d\.\d\] \|", table)
     assert re.search(r"\| \+\d\.\d% \[\+\d\.\d%, \+\d\.\d%\] \|", table)
     assert "bert: auto vs fused_full (the faster of fused_full, torch_fused): " in table
+    assert table.endswith(
+        "95 % intervals: one run per row, its steps resampled in blocks of 10: such an interval leaves out how much a "
+        "second run of the same row could differ (--repeats N runs each row N times, interleaved)."
+    )
+
+
+def _runs(median: float, offsets: list[float], seed: int, n: int = 100) -> list[list[float]]:
+    """Runs of ``n`` steps (see _steps), each run slower or faster as a whole by its offset: processes differ."""
+    return [[t * (1 + off) for t in _steps(median, n, seed + i)] for i, off in enumerate(offsets)]
+
+
+def test_intervals_over_runs_hold_the_run_to_run_spread():
+    rng = np.random.default_rng(5)
+    # Rows of the same configuration whose processes differ by ±5 % (a host-bound BERT step on the H200), 3 runs each.
+    trials = [
+        (_runs(40.0, 0.05 * rng.standard_normal(3), 10 * s), _runs(40.0, 0.05 * rng.standard_normal(3), 500 + s))
+        for s in range(20)
+    ]
+    one_run = [relative_difference(a[0], b[0]) for a, b in trials]
+    three = [relative_difference(a, b) for a, b in trials]
+    assert sum(d["lo"] < 0 < d["hi"] for d in one_run) <= 12  # one run each: "a difference" more often than not
+    assert sum(d["lo"] < 0 < d["hi"] for d in three) >= 18  # over runs: the interval holds 0
+    a = trials[0][0]
+    lo, hi = median_interval(a)
+    assert lo < typical_step(a) < hi and typical_step(a) == pytest.approx(np.exp(np.mean(np.log(np.median(a, 1)))))
+    one_lo, one_hi = median_interval(a[0])
+    assert hi - lo > 2 * (one_hi - one_lo)  # the spread between runs, which one run cannot show
+    # Runs of one round share the machine's slow spells: compared run by run, a 3 % difference still shows...
+    rounds = 0.06 * rng.standard_normal(3)
+    slow, fast = _runs(41.2, rounds, 900), _runs(40.0, rounds, 950)
+    d = relative_difference(slow, fast)
+    assert 0 < d["lo"] < d["value"] < d["hi"] < 0.06 and d["value"] == pytest.approx(0.03, abs=0.01)
+    # ...which the same runs out of their rounds do not.
+    unpaired = relative_difference(slow, fast[::-1])
+    assert unpaired["lo"] < 0 < unpaired["hi"] and unpaired["hi"] - unpaired["lo"] > 3 * (d["hi"] - d["lo"])
+    # Rows of different numbers of runs: Welch's interval, around the ratio of their typical steps.
+    welch = relative_difference(slow, fast[:2])
+    assert welch["value"] == pytest.approx(typical_step(slow) / typical_step(fast[:2]) - 1)
+    assert welch["lo"] < welch["value"] < welch["hi"]
+
+
+def test_a_row_pools_its_runs():
+    def metrics(steps, tokens, memory):
+        m = _metrics("auto", float(np.median(steps)), memory, [2.0] * 5, {}, {"apex": {}})
+        return {**m, "steps_ms": [999.0, *steps], "run": {"warmup_steps": 1}, "tokens_per_s": tokens}
+
+    runs = _runs(40.0, [0.0, 0.1, -0.05], seed=40)
+    plains = _runs(38.0, [0.0, 0.1, -0.05], seed=60)
+    plain_json = [{"steps_ms": p, "warmup_steps": 0, "step_time_ms": {"p50": float(np.median(p))}} for p in plains]
+    row = row_from_runs(
+        "bert", [metrics(r, t, m) for r, t, m in zip(runs, (1.0, 3.0, 2.0), (5.0, 6.0, 4.0))], plain_json
+    )
+    assert row.runs == 3 and row.timed_steps_ms == runs and row.plain_loop_timed_steps_ms == plains
+    assert row.step_time_ms_p50 == pytest.approx(typical_step(runs)) and row.step_time_ms_ci == median_interval(runs)
+    assert row.step_time_ms_p80 == pytest.approx(np.quantile([t for r in runs for t in r], 0.8))
+    assert row.plain_loop_ms_p50 == pytest.approx(typical_step(plains))
+    assert (row.tokens_per_s, row.peak_memory_allocated_gib) == (2.0, 6.0)  # median of the runs, the highest peak
+    add_ratios([row])
+    assert row.trainer_overhead == pytest.approx(relative_difference(runs, plains)["value"])
+    lo, hi = row.trainer_overhead_ci
+    assert 0 < lo < row.trainer_overhead < hi  # the same offsets in each round: 40 against 38 ms resolved
+    note = format_table([row]).splitlines()[-1]
+    assert note.startswith("95 % intervals. Rows of several runs (3 runs: bert auto) give p50 as the geometric mean")
+    assert "one run" not in note
 
 
 def test_loss_curve_agreement():
@@ -297,7 +363,7 @@ def test_scaling_against_one_process_and_baselines_per_world_size():
     single = add_ratios([row_from_metrics("gpt2", _ddp_metrics(s, _steps(40.0, 200, seed=19), 1)) for s in "ab"])
     table = format_table(single, "banner").splitlines()
     assert table[2] == HEAD_1GPU and table[3] == "|" + "---|" * 11 and "GPUs" not in "\n".join(table)
-    assert all(line.count("|") == 12 for line in table[2:])
+    assert all(line.count("|") == 12 for line in table[2:] if line.startswith("|"))
     # Chart bars tell the world sizes apart.
     assert [bar_label(r) for r in rows[4:6]] == ["baseline ×2", "fused_full ×2"] and bar_label(full1) == "fused_full"
 
@@ -375,3 +441,53 @@ def test_outputs_carry_the_world_size_and_scaling(tmp_path):
     assert data["rows"][1]["scaling_ci"] == pytest.approx(list(rows[1].scaling_ci))
     assert "scaling_ci" in paths["csv"].read_text().splitlines()[0]
     assert "| GPUs |" in paths["md"].read_text()
+
+
+def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, capsys):
+    """--repeats 2: every stage once per round, the runs of a row in -r2 folders, one row per stage pooling both."""
+    launched = []
+
+    def fake_run(cmd, log):
+        launched.append(log.name)
+        seed = len(launched)
+        if cmd[1].endswith("plain_loop.py"):
+            steps = _steps(38.0, 40, seed=seed)
+            plain = {"step_time_ms": {"p50": float(np.median(steps))}, "steps_ms": steps, "warmup_steps": 0}
+            Path(cmd[2]).write_text(json.dumps(plain))
+            return
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / METRICS_FILENAME).write_text(
+            json.dumps(_ddp_metrics(cmd[cmd.index("--stage") + 1], _steps(40.0, 40, seed), 1))
+        )
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: {})
+    flags = "--tiny --models gpt2 --stages baseline fused_full --repeats 2 --steps 4 --warmup 1 --batch gpt2=3"
+    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 0
+    assert launched == [
+        "gpt2-baseline.log",
+        "gpt2-baseline-plain.log",
+        "gpt2-fused_full.log",
+        "gpt2-fused_full-plain.log",
+        "gpt2-baseline-r2.log",
+        "gpt2-baseline-r2-plain.log",
+        "gpt2-fused_full-r2.log",
+        "gpt2-fused_full-r2-plain.log",
+    ]
+    assert (tmp_path / "runs" / "gpt2-fused_full-r2" / METRICS_FILENAME).is_file()
+    printed = capsys.readouterr().out
+    assert "gpt2  fused_full     run 2/2 p50" in printed
+    assert len(re.findall(r"^\| gpt2 \| ", printed, re.M)) == 2  # one row per stage
+    assert "(2 runs: gpt2 baseline, gpt2 fused_full)" in printed
+    # Defaults: BERT's BF16 stages on CUDA run 3 times, its FP32 stages and the other models once; --repeats wins.
+    opts = bench.parse_args([])
+    opts.tiny = False
+    assert [bench.repeats(m, s, opts) for m, s in (("bert", "auto"), ("bert", "baseline"), ("gpt2", "auto"))] == [
+        3,
+        1,
+        1,
+    ]
+    opts.tiny = True
+    assert bench.repeats("bert", "auto", opts) == 1
+    assert bench.repeats("gpt2", "baseline", bench.parse_args(["--repeats", "4"])) == 4
