@@ -117,6 +117,11 @@ class ApexTrainer(Trainer):
         if not isinstance(self.args, ApexTrainingArguments):
             return
         validate_apex_args(self.args)
+        if _fsdp_version(self.args) and not self.is_fsdp_enabled and self.args.world_size > 1:
+            logger.warning(
+                "hf_apex: FSDP was asked for but accelerate did not enable it (it shards on accelerators only, not "
+                "on the CPU): this run is DDP, and every process holds the whole model and optimizer state."
+            )
         if self.args.device.type == "cpu" and (self.args.bf16 or self.args.fp16):
             logger.warning(
                 "hf_apex: %s autocast on the CPU is often far slower than FP32; on a CPU prefer an FP32 stage "
