@@ -4,7 +4,8 @@
 stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`` is an
 :class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
 four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
-the seed (torch's own fused kernels, ``torch.compile``, and ``auto``, which times apex against torch on your GPU).
+the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds a loss that never holds the logits,
+and ``auto``, which times apex against torch on your GPU).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
@@ -30,6 +31,8 @@ class StageConfig:
         bf16: torch.amp autocast (BF16; FP16 with a GradScaler when ``amp_dtype="fp16"``); FP32 otherwise.
         torch_compile: ``torch.compile`` the model.
         autotune: time apex against torch per component on this GPU and use the faster.
+        fused_linear_cross_entropy: a causal LM's training loss without its logits (chunked LM head +
+            cross-entropy, the same maths; see `hf_apex.kernels.loss`); other models keep their loss.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
     """
 
@@ -41,6 +44,7 @@ class StageConfig:
     bf16: bool = False
     torch_compile: bool = False
     autotune: bool = False
+    fused_linear_cross_entropy: bool = False
     tf32: bool = False
 
     def settings(self) -> dict:
@@ -69,6 +73,13 @@ STAGES: dict[str, StageConfig] = {
         StageConfig("torch_fused", "torch AdamW(fused=True) + stock norms + BF16", **_TORCH_FUSED),
         StageConfig(
             "compiled", "torch fused AdamW + BF16 + torch.compile (native norms)", **_TORCH_FUSED, torch_compile=True
+        ),
+        StageConfig(
+            "fastest",
+            "compiled + a causal LM's loss without its logits (chunked LM head + cross-entropy)",
+            **_TORCH_FUSED,
+            torch_compile=True,
+            fused_linear_cross_entropy=True,
         ),
         StageConfig(
             "auto",

@@ -8,6 +8,7 @@ Override points (each calls ``super()`` and can be replaced alone):
 
 - ``rewire_model(model)``: the norm surgery applied to the model given to ``__init__`` and to every model
   ``model_init`` produces (the Trainer re-creates it in ``train()``), before any DDP or compile wrapping.
+- ``fuse_loss(model)``: the same for ``fused_linear_cross_entropy`` (the causal-LM loss without logits).
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
@@ -35,6 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
 from .kernels.availability import blocker, fix_for
+from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.surgery import RewireReport, rewire, unrewire
@@ -109,6 +111,7 @@ class ApexTrainer(Trainer):
 
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
+    loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
 
@@ -131,7 +134,7 @@ class ApexTrainer(Trainer):
         if self.args.autotune:
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
         if self.model_init is None:
-            self.rewire_report = self.rewire_model(self.model)
+            self._apply_model_switches(self.model)
         if self.args.apex_fused_norms and self.args.torch_compile:
             logger.warning(
                 "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
@@ -150,7 +153,7 @@ class ApexTrainer(Trainer):
                 self.autotuner.begin_run(pinned=self._checkpoint_decisions(resume_from_checkpoint))
             if self.model_init is None and self.model is not None:
                 # Again: another trainer built on the same model may have rewired it its own way since __init__.
-                self.rewire_report = self.rewire_model(self.model)
+                self._apply_model_switches(self.model)
             self._norms_to_tune = self._tunes_norms_in_step()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
@@ -218,8 +221,12 @@ class ApexTrainer(Trainer):
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if isinstance(self.args, ApexTrainingArguments):
-            self.rewire_report = self.rewire_model(model)
+            self._apply_model_switches(model)
         return model
+
+    def _apply_model_switches(self, model: nn.Module) -> None:
+        self.rewire_report = self.rewire_model(model)
+        self.loss_fusion = self.fuse_loss(model)
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
@@ -238,6 +245,18 @@ class ApexTrainer(Trainer):
         if report.num_swapped == 0:
             logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
         return report
+
+    def fuse_loss(self, model: nn.Module) -> dict | None:
+        """With ``args.fused_linear_cross_entropy``, compute the causal-LM training loss without the logits
+        (:mod:`hf_apex.kernels.loss`); returns what was done (None when not asked), which the metrics JSON records."""
+        if not self.args.fused_linear_cross_entropy:
+            unfuse_linear_cross_entropy(model)  # a model reused from a run that had it
+            return None
+        reason = fuse_linear_cross_entropy(model)
+        if reason is not None:  # a stage turns it on for every model: only a switch of yours warrants a warning
+            log = logger.info if self.args.stage else logger.warning
+            log("hf_apex: fused_linear_cross_entropy is on but not used: %s.", reason)
+        return {"fused_linear_cross_entropy": reason is None, "reason": reason}
 
     def _choose_norm(self, module, x, amp) -> str:
         return self.autotuner.choose_norm(module, x, amp)
@@ -294,6 +313,7 @@ class ApexTrainer(Trainer):
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
+            "lm_loss": self.loss_fusion,
             "autotune": self.autotuner.report() if self.autotuner else [],
             "kernels": kernels,
             "ddp": self._ddp_settings(),

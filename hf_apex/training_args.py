@@ -21,9 +21,10 @@ class ApexTrainingArguments(TrainingArguments):
 
         stage (`str` or `None`, *optional*, defaults to `None`):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
-            `torch_fused`, `compiled` and `auto`. A stage sets `optim`, `apex_optimizer`, `apex_fused_norms`,
-            `autotune`, `torch_compile`, `tf32` and the AMP flags; setting any of them to something the stage
-            contradicts raises `ValueError`. `None` leaves every switch to you.
+            `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
+            `apex_fused_norms`, `autotune`, `torch_compile`, `fused_linear_cross_entropy`, `tf32` and the AMP
+            flags; setting any of them to something the stage contradicts raises `ValueError`. `None` leaves every
+            switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -45,6 +46,12 @@ class ApexTrainingArguments(TrainingArguments):
             Decisions are cached in `autotune_cache` and written to the logs and the metrics JSON.
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
             Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.
+        fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
+            For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
+            chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
+            maths as transformers' loss (the logits rounded to the autocast dtype, the softmax in FP32), the head's
+            matmuls on a vocabulary padded to a multiple of 64 with the padding masked out. Training forwards then
+            return no logits; evaluation runs the stock forward. Another model is trained as it is, with a warning.
 
         > Parameters that control the stage metrics
 
@@ -78,7 +85,8 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
-    > `torch_compile`, `autotune`, `tf32=False`); a value you set that the stage contradicts is a `ValueError`.
+    > `torch_compile`, `autotune`, `fused_linear_cross_entropy`, `tf32=False`); a value you set that the stage
+    > contradicts is a `ValueError`.
     > Without a stage the `TrainingArguments` defaults apply, except the four above. An explicit `--optim` equal to
     > the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
@@ -119,6 +127,13 @@ class ApexTrainingArguments(TrainingArguments):
     autotune: bool = field(
         default=False,
         metadata={"help": "Time apex against torch per component on this GPU and use the faster (cached on disk)."},
+    )
+    fused_linear_cross_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Causal LMs: compute the training loss chunk by chunk from the LM head without holding the "
+            "logits (same maths; vocabulary padded to x64 for the matmuls)."
+        },
     )
     autotune_cache: str | None = field(
         default=None,

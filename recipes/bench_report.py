@@ -22,6 +22,15 @@ LOSS_TAIL = 5  # losses averaged at the end of a run for the loss comparison
 BLOCK, RESAMPLES, LEVEL = 10, 4000, 0.95
 # Rows compared with auto: it should be no slower than the faster of these.
 AUTO_RIVALS = ("fused_full", "torch_fused")
+# What others reach on the bench models, on the H100/H200 class (989 dense BF16 TFLOP/s each), with their sources:
+# ../shared/reference/apex-and-peers.md (modded-nanogpt's README for llm.c on 8 x H100; nanoGPT-style runs).
+PUBLISHED = {
+    "gpt2": "llm.c ~468K tokens/s per H100 (38-41 % MFU, 8 x H100); a nanoGPT-style PyTorch + torch.compile loop "
+    "~473K (~41 %)",
+    "llama": "none for this 124M Llama-architecture model; GPT-2 124M, of the same width and depth: ~40 % MFU "
+    "(llm.c, nanoGPT-style torch.compile, H100)",
+    "bert": "no published HF BERT-base BF16 training throughput on H100/H200",
+}
 
 Runs = list[list[float]]  # one list of timed step times per run (process), in order
 
@@ -344,9 +353,25 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
         )
+    lines += [f"\n{line}" for line in best_against_published(rows)]
     if any(r.step_time_ms_ci for r in rows):
         lines.append("\n" + interval_note(rows))
     return "\n".join(lines)
+
+
+def best_against_published(rows: list[BenchRow]) -> list[str]:
+    """Per model, its row of highest MFU (one process) next to what others publish for that model (``PUBLISHED``)."""
+    out = []
+    for model in dict.fromkeys(r.model for r in rows):
+        measured = [r for r in rows if r.model == model and r.world_size == 1 and r.mfu is not None]
+        if not measured or model not in PUBLISHED:
+            continue
+        best = max(measured, key=lambda r: r.mfu)
+        out.append(
+            f"{model}: fastest here {best.stage}, {best.mfu:.1%} MFU, {_f(best.tokens_per_s, ',.0f')} tokens/s; "
+            f"published: {PUBLISHED[model]}."
+        )
+    return out
 
 
 def interval_note(rows: list[BenchRow]) -> str:

@@ -23,6 +23,7 @@ from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import Autotuner, DecisionCache, training_pass
+from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
@@ -47,6 +48,8 @@ def main(out_json: str, argv: list[str]) -> dict:
     tuner = Autotuner(DecisionCache(args.autotune_cache)) if args.autotune else None
     if args.apex_fused_norms:
         rewire(model, chooser=tuner.choose_norm if tuner else None, compiled=args.torch_compile)
+    if args.fused_linear_cross_entropy:
+        fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},

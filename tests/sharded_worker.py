@@ -81,6 +81,11 @@ def main(out_dir: str, mode: str, stage: str, resume: str | None = None) -> None
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    # Everything is on disk. Leave without running C++ static destructors: under load, a gloo thread still joinable
+    # there aborts a finished run now and then ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from tests.testing_utils import loss_curve_agreement
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
+import bench_report  # noqa: E402
 from bench_report import (  # noqa: E402
     add_ratios,
     auto_comparisons,
@@ -491,3 +492,17 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
     opts.tiny = True
     assert bench.repeats("bert", "auto", opts) == 1
     assert bench.repeats("gpt2", "baseline", bench.parse_args(["--repeats", "4"])) == 4
+
+
+def test_each_model_s_fastest_row_stands_next_to_published_numbers():
+    rows = []
+    for stage, mfu, n in (("fused_full", 0.13, 1), ("compiled", 0.30, 1), ("fastest", 0.45, 2)):
+        m = _ddp_metrics(stage, _steps(40.0, 40, seed=70), n)
+        rows.append(row_from_metrics("gpt2", {**m, "mfu": mfu}))
+    rows.append(row_from_metrics("llama", {**_ddp_metrics("compiled", _steps(40.0, 40, seed=71), 1), "mfu": None}))
+    lines = bench_report.best_against_published(add_ratios(rows))
+    assert lines == [
+        f"gpt2: fastest here compiled, 30.0% MFU, {rows[1].tokens_per_s:,.0f} tokens/s; published: "
+        f"{bench_report.PUBLISHED['gpt2']}."
+    ]  # one process only; a row without MFU says nothing
+    assert "llm.c ~468K tokens/s per H100" in lines[0] and lines[0] in format_table(rows)

@@ -1,0 +1,181 @@
+"""A causal-LM loss that never holds the logits: the LM head's matmul and cross-entropy, chunk by chunk.
+
+A Hugging Face causal LM computes ``logits = lm_head(hidden)`` for every position, upcasts them to FP32 and takes
+the cross-entropy (``ForCausalLMLoss``). For GPT-2 124M at 16 × 1024 tokens that is 16,384 × 50,257 logits: 1.6 GB
+in BF16 and 3.3 GB in FP32, written and read several times, and their gradient as large again.
+:class:`LinearCrossEntropy` takes the positions in chunks instead: for each chunk it computes the chunk's logits
+(in the autocast dtype, as the LM head does), the FP32 log-sum-exp and loss, and at once the chunk's gradients with
+respect to the hidden states and the head's weight, then drops the logits. The backward only scales those
+gradients. The maths is the stock loss's: the same shift of the labels, the same ignored index, the same mean (or
+sum divided by ``num_items_in_batch``, as the Trainer asks under gradient accumulation), the logits rounded to the
+autocast dtype before the FP32 softmax. The head's weight is padded to a multiple of 64 rows for the matmuls
+(50,257 → 50,304: shapes the tensor cores take whole) and the padded logits are masked out of the softmax, so
+the loss and the gradients are those of the unpadded head.
+
+:func:`fuse_linear_cross_entropy` swaps a model's class, on that instance only, for a subclass whose forward
+computes its training loss this way (``print(model)`` says so); evaluation, generation and calls without labels
+run the stock forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
+CHUNK_ELEMENTS = 2**27  # logits per chunk (FP32: 512 MiB); positions per chunk = this / padded vocabulary
+# Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
+# Config attributes that put something between the head and the softmax in some families.
+_LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(hidden @ weight.T, targets)`` chunk by chunk, with gradients computed in the forward.
+
+    ``hidden`` is (positions, d), ``targets`` (positions,) with ``ignore_index`` where no loss is taken; the sum of
+    the per-position losses is divided by ``divisor`` (the number of targets for a mean). ``amp`` is the autocast
+    dtype of the matmuls (None: the inputs' own dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, divisor, ignore_index: int, amp: torch.dtype | None):
+        dtype = amp or hidden.dtype
+        vocab = weight.shape[0]
+        h = hidden.to(dtype)
+        w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
+        chunk = max(1, CHUNK_ELEMENTS // w.shape[0])
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if grads else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grads else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start : start + chunk], targets[start : start + chunk]
+            logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
+            logits[:, vocab:] = float("-inf")  # the padding rows take no part in the softmax
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = yc != ignore_index
+            picked = logits.gather(1, yc.where(valid, 0)[:, None]).squeeze(1)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            if grads:  # d loss / d logits = softmax - one_hot(target), on the positions that count
+                probs = logits.sub_(lse[:, None]).exp_()
+                rows = torch.arange(len(yc), device=yc.device)
+                probs[rows, yc.where(valid, 0)] -= valid.to(probs.dtype)
+                probs.mul_(valid[:, None])
+                g = probs.to(dtype)
+                grad_h[start : start + chunk] = (g @ w).float()
+                grad_w += (g.T @ hc).float()
+        divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
+        if grads:
+            ctx.save_for_backward(grad_h / divisor, grad_w[:vocab] / divisor)
+            ctx.dtypes = hidden.dtype, weight.dtype
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        dh, dw = ctx.dtypes
+        return (grad_h * grad_loss).to(dh), (grad_w * grad_loss).to(dw), None, None, None, None
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` on ``hidden @ weight.T`` without the logits: position t predicts label
+    t + 1, ``ignore_index`` labels count for nothing, the mean over the counted positions (or their sum divided by
+    ``num_items_in_batch``). Under autocast the matmuls run in its dtype and the softmax in FP32."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    divisor = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+    amp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return LinearCrossEntropy.apply(flat, weight, targets, divisor, ignore_index, amp)
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        return f"{type(model).__name__}: only causal LMs of {', '.join(SUPPORTED)} (not {model_type})"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return f"{type(model).__name__}: the LM head is not a bias-free nn.Linear"
+    if getattr(model, "loss_type", "ForCausalLM") not in (None, "ForCausalLM"):
+        return f"{type(model).__name__}: its loss is {model.loss_type}, not the causal-LM cross-entropy"
+    extras = [a for a in _LOGIT_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
+    if extras:
+        return f"{type(model).__name__}: its logits are transformed before the loss ({', '.join(extras)})"
+    return None
+
+
+class _FusedLossLM:
+    """The forward of a model whose training loss is :func:`causal_lm_loss` (mixed in before its own class)."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None or not self.training or not torch.is_grad_enabled():
+            return super().forward(*args, labels=labels, **kwargs)
+        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        kwargs.pop("logits_to_keep", None)
+        outputs = self.base_model(*args, **kwargs)
+        loss = causal_lm_loss(outputs[0], self.get_output_embeddings().weight, labels, **loss_kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,  # never computed
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    def extra_repr(self) -> str:
+        return "training loss: chunked LM head + cross-entropy (hf_apex; no logits held, vocabulary padded to x64)"
+
+    def __reduce_ex__(self, protocol):  # pickles as the stock class plus the swap
+        return _rebuild, (stock_model_class(self),), self.__dict__
+
+
+@functools.cache
+def fused_loss_class(stock_cls: type) -> type:
+    name = f"FusedLoss{stock_cls.__name__}"
+
+    # The stock forward's signature and docs: the Trainer keeps the dataset columns that the signature names.
+    @functools.wraps(stock_cls.forward)
+    def forward(self, *args, **kwargs):
+        return _FusedLossLM.forward(self, *args, **kwargs)
+
+    return type(name, (_FusedLossLM, stock_cls), {"__module__": __name__, "__qualname__": name, "forward": forward})
+
+
+def _rebuild(stock_cls: type) -> nn.Module:
+    return object.__new__(fused_loss_class(stock_cls))
+
+
+def stock_model_class(model: nn.Module) -> type:
+    cls = type(model)
+    return cls.__mro__[2] if issubclass(cls, _FusedLossLM) else cls
+
+
+def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
+    """Compute ``model``'s training loss with :func:`causal_lm_loss` (a class swap on this instance; idempotent).
+    Returns None when done, else why not (the model is left as it was)."""
+    if isinstance(model, _FusedLossLM):
+        return None
+    reason = unsupported(model)
+    if reason is None:
+        model.__class__ = fused_loss_class(type(model))
+    return reason
+
+
+def unfuse_linear_cross_entropy(model: nn.Module) -> None:
+    if isinstance(model, _FusedLossLM):
+        model.__class__ = stock_model_class(model)

@@ -1,0 +1,62 @@
+"""The causal-LM loss without logits on the GPU, at GPT-2 124M's real size (16 x 1024 positions, 50,257-token
+vocabulary, BF16 autocast): the stock loss and gradients, in less memory, eager and under torch.compile."""
+
+import pytest
+import torch
+import transformers
+
+from hf_apex.kernels.loss import causal_lm_loss, fuse_linear_cross_entropy
+from tests.testing_utils import require_cuda
+
+pytestmark = [pytest.mark.gpu, require_cuda]
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).cuda().train()
+
+
+def step(model, ids):
+    """Loss, gradients and the peak memory of one forward and backward under BF16 autocast."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, torch.cuda.max_memory_allocated()
+
+
+def test_gpt2_loss_and_gradients_match_the_stock_head_in_less_memory():
+    ids = torch.randint(0, 50257, (16, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    stock = gpt2()
+    ref_loss, ref_grads, ref_peak = step(stock, ids)
+    fused = gpt2()
+    assert fuse_linear_cross_entropy(fused) is None
+    loss, grads, peak = step(fused, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4)  # the same BF16 logits, FP32 softmax
+    for name, ref in ref_grads.items():
+        rel = (grads[name] - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert rel < 1e-2, (name, float(rel))  # BF16 matmuls; the head's gradient summed over chunks in FP32
+    assert peak < ref_peak - 2 * 2**30  # the FP32 logits (3.3 GB) and their gradient are never held
+
+
+def test_under_torch_compile_the_same_loss():
+    hidden = torch.randn(4096, 768, device="cuda", requires_grad=True)
+    weight = torch.randn(50257, 768, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 50257, (4, 1024), device="cuda")
+
+    def loss_fn(h, w):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return causal_lm_loss(h.view(4, 1024, 768), w, labels)
+
+    eager = loss_fn(hidden, weight)
+    (eager_h, eager_w) = torch.autograd.grad(eager, [hidden, weight])
+    compiled = torch.compile(loss_fn)(hidden, weight)
+    (h, w) = torch.autograd.grad(compiled, [hidden, weight])
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, eager_h, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(w, eager_w, rtol=1e-3, atol=1e-6)

@@ -1,0 +1,146 @@
+"""The causal-LM loss without logits (hf_apex.kernels.loss): the same loss and gradients as transformers' own, in
+FP32 and under BF16 autocast, with ignored labels, gradient-accumulation divisors, several chunks and a vocabulary
+that is not a multiple of 64; the model swap; and the Trainer switch."""
+
+import json
+import pickle
+
+import pytest
+import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.kernels import loss as fused
+from tests.testing_utils import TokenDataset, tiny_model
+
+
+def reference(hidden, weight, labels, **kwargs):
+    """transformers' path: the LM head's logits, then ForCausalLMLoss."""
+    return ForCausalLMLoss(hidden @ weight.T, labels, vocab_size=weight.shape[0], **kwargs)
+
+
+def inputs(vocab=100, d=16, batch=3, seq=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, d, generator=g, requires_grad=True)
+    weight = (0.5 * torch.randn(vocab, d, generator=g)).requires_grad_(True)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels[0, :4] = -100  # padding: no loss there
+    return hidden, weight, labels
+
+
+def loss_and_grads(fn, hidden, weight, labels, **kwargs):
+    h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    loss = fn(h, w, labels, **kwargs)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_elements", [fused.CHUNK_ELEMENTS, 5 * 128])  # one chunk; chunks of 5 positions
+@pytest.mark.parametrize("items", [None, 40])  # the mean; a sum over a whole accumulated batch of 40 targets
+def test_same_loss_and_gradients_as_transformers_in_fp32(chunk_elements, items, monkeypatch):
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_elements)
+    hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside
+    kwargs = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, **kwargs)
+    ref = loss_and_grads(reference, hidden, weight, labels, **kwargs)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[1][:, -1].abs().max() == 0  # the last position predicts nothing
+
+
+def test_same_loss_and_gradients_under_bf16_autocast():
+    hidden, weight, labels = inputs(vocab=100, d=32, seq=33)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+        ref = loss_and_grads(reference, hidden, weight, labels)
+    # both round the logits to BF16 before an FP32 softmax: the loss agrees to FP32 summation order
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    # gradients: BF16 matmuls, ours summing the head's gradient over chunks in FP32 (theirs rounds it once to BF16)
+    for a, b in zip(got[1:], ref[1:]):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    fp32 = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+    assert not torch.equal(fp32[1], got[1])  # autocast really changed the matmuls
+
+
+def test_without_gradients_only_the_loss():
+    hidden, weight, labels = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(fused.causal_lm_loss(hidden, weight, labels), reference(hidden, weight, labels))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_swapped_model_trains_on_the_same_loss_and_gradients(family):
+    stock = tiny_model(family).train()
+    for m in stock.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model = tiny_model(family).train()
+    model.load_state_dict(stock.state_dict())
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    assert fused.fuse_linear_cross_entropy(model) is None and fused.fuse_linear_cross_entropy(model) is None
+    assert type(model).__name__ == f"FusedLoss{type(stock).__name__}" and isinstance(model, type(stock))
+    assert repr(model).splitlines()[1].strip().startswith("training loss: chunked LM head + cross-entropy")
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    out, ref = model(input_ids=ids, labels=labels), stock(input_ids=ids, labels=labels)
+    assert out.logits is None  # never computed
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    ref.loss.backward()
+    theirs = dict(stock.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    model.eval()  # evaluation and calls without labels: the stock forward, logits and all
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, stock.eval()(input_ids=ids).logits)
+    clone = pickle.loads(pickle.dumps(model))
+    assert type(clone) is type(model)
+    fused.unfuse_linear_cross_entropy(model)
+    assert type(model) is type(stock)
+
+
+def test_models_it_cannot_take_are_left_as_they_are():
+    bert = tiny_model("bert")
+    reason = fused.fuse_linear_cross_entropy(bert)
+    assert "only causal LMs" in reason and type(bert).__name__ == "BertForSequenceClassification"
+    gpt2 = tiny_model("gpt2")
+    gpt2.config.logit_scale = 0.5
+    assert "transformed before the loss (logit_scale)" in fused.fuse_linear_cross_entropy(gpt2)
+
+
+def test_the_trainer_switch_trains_records_and_warns(tmp_path, caplog):
+    def run(model, name, task="lm", **switches):
+        args = ApexTrainingArguments(
+            output_dir=str(tmp_path / name),
+            use_cpu=True,
+            report_to="none",
+            max_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+            disable_tqdm=True,
+            **switches,
+        )
+        trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(n=16, task=task))
+        trainer.train()
+        metrics = json.loads((tmp_path / name / "hf_apex_metrics.json").read_text())
+        return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h], metrics
+
+    model = tiny_model("gpt2")
+    trainer, losses, metrics = run(model, "fused", fused_linear_cross_entropy=True)
+    assert type(trainer.model).__name__ == "FusedLossGPT2LMHeadModel"
+    assert metrics["lm_loss"] == {"fused_linear_cross_entropy": True, "reason": None} and metrics["loss"]["last"]
+    _, stock_losses, stock_metrics = run(tiny_model("gpt2"), "stock")
+    assert stock_metrics["lm_loss"] is None and stock_metrics["loss"]["last"] is not None
+    assert losses == pytest.approx(stock_losses, rel=1e-5)  # the same training, step by step
+    run(model, "reused")  # the switch off: a model reused from the fused run goes back to the stock class
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        _, _, metrics = run(tiny_model("bert"), "bert", task="cls", fused_linear_cross_entropy=True)
+    assert "fused_linear_cross_entropy is on but not used" in caplog.text
+    assert metrics["lm_loss"]["fused_linear_cross_entropy"] is False
