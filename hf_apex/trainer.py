@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -106,6 +107,25 @@ def _keep_fp32_strict() -> None:
         torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
+class DropFullAttentionMask:
+    """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means). Under
+    ``torch.compile`` transformers cannot look at the mask's values and builds the full mask, which keeps SDPA off
+    its causal flash kernel; without one it passes ``is_causal``. It runs on the CPU batch, in the loader's workers."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if torch.is_tensor(mask) and bool(mask.all()):
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        return batch
+
+    def __repr__(self) -> str:
+        return f"DropFullAttentionMask({self.collator!r})"
+
+
 class ApexTrainer(Trainer):
     """A ``Trainer`` that applies the apex switches of :class:`ApexTrainingArguments` (see module docstring)."""
 
@@ -140,6 +160,8 @@ class ApexTrainer(Trainer):
                 "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
                 "(Inductor fuses it), not apex's kernel. This is recorded in the metrics JSON."
             )
+        if self.args.torch_compile and self.args.drop_full_attention_mask and self.data_collator is not None:
+            self.data_collator = DropFullAttentionMask(self.data_collator)
         if self.args.stage_metrics:
             self.stage_metrics = self.create_stage_metrics_callback()
             self.add_callback(self.stage_metrics)
@@ -311,6 +333,8 @@ class ApexTrainer(Trainer):
         kernels = {}
         if self.args.apex_fused_norms and self.args.torch_compile:
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
+        if isinstance(self.data_collator, DropFullAttentionMask):
+            kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "lm_loss": self.loss_fusion,

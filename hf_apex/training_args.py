@@ -46,6 +46,12 @@ class ApexTrainingArguments(TrainingArguments):
             Decisions are cached in `autotune_cache` and written to the logs and the metrics JSON.
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
             Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.
+        drop_full_attention_mask (`bool`, *optional*, defaults to `True`):
+            Under `torch_compile` only: a batch whose `attention_mask` is all ones (packed LM blocks, unpadded
+            batches) goes to the model without it, which means the same to the model. Compiling, transformers
+            (before torch 2.14) cannot look at the mask's values and builds the full mask, which keeps SDPA off its
+            causal flash kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the
+            collator (no device sync); padded batches keep their mask.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -127,6 +133,13 @@ class ApexTrainingArguments(TrainingArguments):
     autotune: bool = field(
         default=False,
         metadata={"help": "Time apex against torch per component on this GPU and use the faster (cached on disk)."},
+    )
+    drop_full_attention_mask: bool = field(
+        default=True,
+        metadata={
+            "help": "Under torch_compile, drop a batch's attention_mask when it is all ones, so that SDPA can take "
+            "its causal flash kernel (transformers builds the full mask while compiling). Same maths."
+        },
     )
     fused_linear_cross_entropy: bool = field(
         default=False,

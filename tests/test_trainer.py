@@ -393,3 +393,28 @@ def test_epoch_logging_carries_the_stage_metrics(tmp_path):
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all("step_time_ms" in h for h in logged)
+
+
+def test_under_torch_compile_an_all_ones_attention_mask_is_left_out(tmp_path):
+    from hf_apex.trainer import DropFullAttentionMask
+
+    collate = DropFullAttentionMask(torch.utils.data.default_collate)
+    full = [{"input_ids": torch.arange(4), "attention_mask": torch.ones(4, dtype=torch.long)}] * 2
+    padded = [full[0], {"input_ids": torch.arange(4), "attention_mask": torch.tensor([1, 1, 0, 0])}]
+    assert set(collate(full)) == {"input_ids"} and set(collate(padded)) == {"input_ids", "attention_mask"}
+    assert collate([torch.zeros(2)]).shape == (1, 2)  # not a mapping: as the collator made it
+
+    def run(name, **kw):
+        args = train_args(tmp_path / name, max_steps=2, **kw)
+        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.train()
+        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+        return trainer, [h["loss"] for h in metrics["loss_history"]], metrics
+
+    compiled, losses, metrics = run("compiled", torch_compile=True, torch_compile_backend="aot_eager")
+    assert isinstance(compiled.data_collator, DropFullAttentionMask) and "attention_mask" in metrics["kernels"]
+    eager, eager_losses, _ = run("eager")
+    assert not isinstance(eager.data_collator, DropFullAttentionMask)  # eager transformers skips the mask itself
+    assert losses == pytest.approx(eager_losses, rel=1e-5)  # all ones or none: the same training
+    kept, _, _ = run("kept", torch_compile=True, torch_compile_backend="aot_eager", drop_full_attention_mask=False)
+    assert not isinstance(kept.data_collator, DropFullAttentionMask)

@@ -37,17 +37,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     ``hidden`` is (positions, d), ``targets`` (positions,) with ``ignore_index`` where no loss is taken; the sum of
     the per-position losses is divided by ``divisor`` (the number of targets for a mean). ``amp`` is the autocast
-    dtype of the matmuls (None: the inputs' own dtype).
+    dtype of the matmuls (None: the inputs' own dtype); ``grads``: compute the gradients (a training step).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, divisor, ignore_index: int, amp: torch.dtype | None):
+    def forward(ctx, hidden, weight, targets, divisor, ignore_index: int, amp: torch.dtype | None, grads: bool):
         dtype = amp or hidden.dtype
         vocab = weight.shape[0]
         h = hidden.to(dtype)
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
         chunk = max(1, CHUNK_ELEMENTS // w.shape[0])
-        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if grads else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grads else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -77,7 +76,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         dh, dw = ctx.dtypes
-        return (grad_h * grad_loss).to(dh), (grad_w * grad_loss).to(dw), None, None, None, None
+        return (grad_h * grad_loss).to(dh), (grad_w * grad_loss).to(dw), None, None, None, None, None
 
 
 def causal_lm_loss(
@@ -96,9 +95,10 @@ def causal_lm_loss(
     targets = shift_labels.reshape(-1).to(hidden.device)
     divisor = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     amp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return LinearCrossEntropy.apply(flat, weight, targets, divisor, ignore_index, amp)
+        return LinearCrossEntropy.apply(flat, weight, targets, divisor, ignore_index, amp, grads)
 
 
 def unsupported(model: nn.Module) -> str | None:
