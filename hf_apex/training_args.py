@@ -49,8 +49,8 @@ class ApexTrainingArguments(TrainingArguments):
         drop_full_attention_mask (`bool`, *optional*, defaults to `True`):
             Under `torch_compile` only: a batch whose `attention_mask` is all ones (packed LM blocks, unpadded
             batches) goes to the model without it, which means the same to the model. Compiling, transformers
-            (before torch 2.14) cannot look at the mask's values and builds the full mask, which keeps SDPA off its
-            causal flash kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the
+            cannot look at the mask's values and builds the full mask, which keeps SDPA off its causal flash
+            kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the
             collator (no device sync); padded batches keep their mask.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
