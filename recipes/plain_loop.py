@@ -4,9 +4,10 @@
 
 `make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model,
 data, collator and shuffling; the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
-schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16) and
-`torch.compile`; `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the
-host every `--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
+schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16),
+`torch.compile` (compiled, batches leave out an all-ones attention mask) and loss (`--fused_linear_cross_entropy`);
+`zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
+`--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
 step starts, CUDA events read at the end), and written with the losses to OUT.json.
 """
 
@@ -27,6 +28,7 @@ from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
+from hf_apex.trainer import DropFullAttentionMask
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -67,6 +69,8 @@ def main(out_json: str, argv: list[str]) -> dict:
         model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
 
     cuda = device.type == "cuda"
+    if args.torch_compile and args.drop_full_attention_mask:  # as ApexTrainer does under torch.compile
+        collator = DropFullAttentionMask(collator)
     loader = torch.utils.data.DataLoader(
         train_ds,
         batch_size=args.per_device_train_batch_size,
