@@ -75,6 +75,8 @@ def launch_trainer(out: Path, mode: str, stage: str, *extra: str, cuda: bool = F
         "OMP_NUM_THREADS": "1",
     }
     env |= {"HF_APEX_TEST_CUDA": "1", "NCCL_NVLS_ENABLE": "0"} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
+    if cuda and nproc == 1:
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # one process seeing two GPUs would train under nn.DataParallel
     proc = subprocess.run(
         [*(cmd if nproc > 1 else [sys.executable]), str(SHARDED_WORKER), str(out), mode, stage, *extra],
         capture_output=True,
