@@ -36,7 +36,7 @@ TOLERANCE = {"fused_adam_ln": {"rtol": 1e-4, "atol": 1e-5}, "fused_full": {"rtol
 def test_two_gpus_through_the_trainer_match_one_and_resume(mode, stage, tmp_path):
     multi = launch_trainer(tmp_path / mode, mode, stage, cuda=True)
     single = launch_trainer(tmp_path / "single", "single", stage, cuda=True)
-    assert multi["optimizer"] == single["optimizer"] == "FusedAdam" and multi["route"] == ["apex", 4]
+    assert multi["optimizer"] == single["optimizer"] == "ApexFusedAdam" and multi["route"] == ["apex", 4]
     assert multi["sharded_params"] == multi["sharded_state"] == (mode == "fsdp2")
     assert_params_close(multi["params"][0], single["params"][0], **TOLERANCE[stage])
     for rank in multi["params"][1:]:  # DDP: every rank holds the same replica
