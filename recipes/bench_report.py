@@ -147,6 +147,8 @@ class BenchRow:
     provenance: dict | None = None
     loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
     steps: int | None = None  # optimizer steps of the run (its LR schedule spans them)
+    compiled: bool = False  # torch.compile: the first step holds the compilation
+    first_step_ms: float | None = None
     runs: int = 1  # processes run one after another for this row (bench --repeats); the figures pool them
     timed_steps_ms: Runs | None = None  # per run, the steps after warm-up in order (the intervals come from them)
     plain_loop_timed_steps_ms: Runs | None = None
@@ -228,6 +230,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         eval_metric=eval_key,
         eval_value=eval_metrics.get(eval_key) if eval_key else None,
         world_size=metrics.get("run", {}).get("world_size", 1),
+        compiled=bool(metrics.get("run", {}).get("torch_compile")),
+        first_step_ms=metrics.get("run", {}).get("first_step_ms"),
         provenance=metrics.get("provenance"),
         loss_history=history or None,
         steps=metrics.get("run", {}).get("steps"),
@@ -353,10 +357,34 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
         )
-    lines += [f"\n{line}" for line in best_against_published(rows)]
+    lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
     if any(r.step_time_ms_ci for r in rows):
         lines.append("\n" + interval_note(rows))
     return "\n".join(lines)
+
+
+def compilation_costs(rows: list[BenchRow]) -> list[str]:
+    """Per compiled row: its compilation (the first step's time beyond a typical step) and how many steps it takes
+    to repay it against the eager BF16 row of the same model (``torch_fused``), when that row is faster to start."""
+    out = []
+    for r in rows:
+        if not r.compiled or r.first_step_ms is None or r.step_time_ms_p50 is None:
+            continue
+        compile_ms = r.first_step_ms - r.step_time_ms_p50
+        eager = next(
+            (e for e in rows if (e.model, e.stage, e.world_size) == (r.model, "torch_fused", r.world_size)), None
+        )
+        saved = eager.step_time_ms_p50 - r.step_time_ms_p50 if eager and eager.step_time_ms_p50 else None
+        gpus = f" ×{r.world_size}" if r.world_size > 1 else ""
+        repaid = (
+            f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
+            if saved and saved > 0
+            else ", never repaid against torch_fused (no faster per step)"
+            if saved is not None
+            else ""
+        )
+        out.append(f"{r.model} {r.stage}{gpus}: compilation {compile_ms / 1e3:.1f} s (first step){repaid}.")
+    return out
 
 
 def best_against_published(rows: list[BenchRow]) -> list[str]:

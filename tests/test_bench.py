@@ -1,5 +1,6 @@
 """make bench's machinery: rows, ratios, table and outputs; and the whole ladder end to end on CPU (tiny)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -506,3 +507,27 @@ def test_each_model_s_fastest_row_stands_next_to_published_numbers():
         f"{bench_report.PUBLISHED['gpt2']}."
     ]  # one process only; a row without MFU says nothing
     assert "llm.c ~468K tokens/s per H100" in lines[0] and lines[0] in format_table(rows)
+
+
+def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
+    """From the committed H200 ladder (benchmarks/h200-2026-11-30-ladder): GPT-2's compiled run."""
+    runs = REPO / "benchmarks" / "h200-2026-11-30-ladder" / "runs"
+    rows = add_ratios(
+        [
+            row_from_metrics("gpt2", json.loads((runs / f"gpt2-{s}.json").read_text()))
+            for s in ("torch_fused", "compiled")
+        ]
+    )
+    eager, compiled = rows
+    assert compiled.compiled and not eager.compiled
+    compile_ms = compiled.first_step_ms - compiled.step_time_ms_p50  # 29.6 s
+    steps = compile_ms / (eager.step_time_ms_p50 - compiled.step_time_ms_p50)  # ~470 steps of 63 ms saved each
+    (line,) = bench_report.compilation_costs(rows)
+    expected = (
+        f"compilation {compile_ms / 1e3:.1f} s (first step), repaid after {steps:,.0f} steps against torch_fused."
+    )
+    assert line == f"gpt2 compiled: {expected}"
+    assert 400 < steps < 550 and line in format_table(rows)
+    slower = dataclasses.replace(eager, step_time_ms_p50=compiled.step_time_ms_p50 - 1)
+    assert "never repaid" in bench_report.compilation_costs([slower, compiled])[0]
+    assert bench_report.compilation_costs([compiled])[0].endswith("(first step).")  # no eager row to compare with
