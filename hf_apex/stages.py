@@ -33,6 +33,8 @@ class StageConfig:
         autotune: time apex against torch per component on this GPU and use the faster.
         fused_linear_cross_entropy: a causal LM's training loss without its logits (chunked LM head +
             cross-entropy, the same maths; see `hf_apex.kernels.loss`); other models keep their loss.
+        compile_min_steps: with `torch_compile`, a run of fewer optimizer steps runs eager instead (compilation
+            would not pay). A default: a value of yours wins (see `OVERRIDABLE`).
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
     """
 
@@ -45,7 +47,10 @@ class StageConfig:
     torch_compile: bool = False
     autotune: bool = False
     fused_linear_cross_entropy: bool = False
+    compile_min_steps: int | None = None
     tf32: bool = False
+
+    OVERRIDABLE = ("compile_min_steps",)  # thresholds, not switches: the stage's value is a default you may change
 
     def settings(self) -> dict:
         """The arguments this stage sets, by name."""
@@ -80,6 +85,9 @@ STAGES: dict[str, StageConfig] = {
             **_TORCH_FUSED,
             torch_compile=True,
             fused_linear_cross_entropy=True,
+            # compilation took 21-30 s on an H200 and paid off against torch_fused after ~410 (Llama), ~470
+            # (GPT-2) and ~2,200 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
+            compile_min_steps=500,
         ),
         StageConfig(
             "auto",

@@ -25,8 +25,10 @@ behaves exactly like ``Trainer``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 
@@ -96,6 +98,25 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
         raise ValueError(f"apex_strict_kernels=True but apex's kernels cannot run here: {why}. {fix_for(why)}")
 
 
+def too_short_to_compile(args, train_dataset) -> str | None:
+    """Why a run asked to compile should run eager (fewer optimizer steps than ``compile_min_steps``), or None."""
+    if not isinstance(args, ApexTrainingArguments) or not args.torch_compile or not args.compile_min_steps:
+        return None
+    if args.max_steps > 0:
+        steps = args.max_steps
+    elif hasattr(train_dataset, "__len__"):
+        batches = math.ceil(len(train_dataset) / (args.per_device_train_batch_size * max(args.world_size, 1)))
+        steps = math.ceil(args.num_train_epochs * max(batches // args.gradient_accumulation_steps, 1))
+    else:
+        return None  # unknown length: compile as asked
+    if steps >= args.compile_min_steps:
+        return None
+    return (
+        f"the run has {steps} optimizer steps, fewer than compile_min_steps={args.compile_min_steps}, so "
+        "compilation would cost more than it saves (set compile_min_steps=0 to compile anyway)"
+    )
+
+
 def _keep_fp32_strict() -> None:
     # transformers' tf32=False sets only torch's global FP32 precision, which a backend-level TF32 switch made
     # earlier in the process overrides (accelerate turns it on for torch.compile in FP32): set the backends too.
@@ -132,10 +153,17 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
+    compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
 
     def __init__(self, *args, **kwargs):
+        # Decided before Trainer.__init__, which hands torch_compile to accelerate for good.
+        given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
+        self.compile_skipped = too_short_to_compile(given.get("args"), given.get("train_dataset"))
+        if self.compile_skipped:
+            given["args"].torch_compile = False
+            logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, ApexTrainingArguments):
             return
@@ -333,6 +361,8 @@ class ApexTrainer(Trainer):
         kernels = {}
         if self.args.apex_fused_norms and self.args.torch_compile:
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
+        if self.compile_skipped:
+            kernels["torch_compile"] = f"not used: {self.compile_skipped}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
         return {

@@ -250,6 +250,8 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
         str(out),
         "--dataloader_num_workers",
         "2",
+        "--compile_min_steps",  # compiled rows measure the compiled steps; the table says when compilation pays
+        "0",
     ]
     overrides = tiny["overrides"] if opts.tiny else spec.get("overrides")
     if overrides:

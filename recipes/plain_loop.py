@@ -28,7 +28,7 @@ from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import DropFullAttentionMask
+from hf_apex.trainer import DropFullAttentionMask, too_short_to_compile
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -43,6 +43,8 @@ def main(out_json: str, argv: list[str]) -> dict:
     model = finetune.load_model(script_args, tokenizer)
     prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2
     train_ds, _, collator, _ = prepare(script_args, finetune.load_raw_data(script_args), tokenizer, model, args)
+    if too_short_to_compile(args, train_ds):  # as ApexTrainer: eager when compilation would not pay
+        args.torch_compile = False
     device = args.device
     model.to(device).train()
 

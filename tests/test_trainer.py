@@ -418,3 +418,33 @@ def test_under_torch_compile_an_all_ones_attention_mask_is_left_out(tmp_path):
     assert losses == pytest.approx(eager_losses, rel=1e-5)  # all ones or none: the same training
     kept, _, _ = run("kept", torch_compile=True, torch_compile_backend="aot_eager", drop_full_attention_mask=False)
     assert not isinstance(kept.data_collator, DropFullAttentionMask)
+
+
+def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, caplog):
+    from hf_apex.trainer import too_short_to_compile
+
+    args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, max_steps=3)
+    assert args.compile_min_steps == 500 and args.torch_compile  # the stage's default threshold
+    assert "3 optimizer steps, fewer than compile_min_steps=500" in too_short_to_compile(args, None)
+    mine = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, compile_min_steps=0)
+    assert mine.compile_min_steps == 0 and too_short_to_compile(mine, None) is None  # yours wins over the stage's
+    epochs = ApexTrainingArguments(
+        output_dir=str(tmp_path),
+        torch_compile=True,
+        compile_min_steps=40,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_train_epochs=2,
+    )
+    assert "32 optimizer steps" in too_short_to_compile(epochs, TokenDataset(n=64))  # 16 batches x 2 epochs
+    assert too_short_to_compile(epochs, iter([])) is None  # unknown length: compile as asked
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        trainer = ApexTrainer(
+            model=tiny_model("gpt2").train(),
+            args=train_args(tmp_path / "run", torch_compile=True, compile_min_steps=100, max_steps=2),
+            train_dataset=TokenDataset(),
+        )
+    assert "not compiling: the run has 2 optimizer steps" in caplog.text and not trainer.args.torch_compile
+    trainer.train()
+    metrics = json.loads((tmp_path / "run" / METRICS_FILENAME).read_text())
+    assert not metrics["run"]["torch_compile"] and metrics["kernels"]["torch_compile"].startswith("not used: ")
