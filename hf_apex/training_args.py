@@ -97,7 +97,7 @@ class ApexTrainingArguments(TrainingArguments):
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
     > `torch_compile`, `autotune`, `fused_linear_cross_entropy`, `tf32=False`); a value you set that the stage
-    > contradicts is a `ValueError`.
+    > contradicts is a `ValueError`, except for `compile_min_steps`, a threshold whose stage value is a default.
     > Without a stage the `TrainingArguments` defaults apply, except the four above. An explicit `--optim` equal to
     > the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
