@@ -11,7 +11,8 @@ import transformers
 
 from hf_apex.kernels.availability import blocker
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The real data (../shared/data beside the checkout); HF_APEX_DATA_DIR points at a copy (a GPU machine's .deps/data).
+SHARED_DATA = Path(os.environ.get("HF_APEX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 # On the GPU machine: HF_APEX_REQUIRE_KERNELS=1 turns "no CUDA / no apex kernels" skips into failures (conftest.py).
 REQUIRE_KERNELS = os.environ.get("HF_APEX_REQUIRE_KERNELS") == "1"
