@@ -12,7 +12,9 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
-Thin overrides of ``Trainer`` methods, each calling ``super()``: ``train`` (starts a run: strict FP32 when
+Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too
+short to repay compilation, see ``compile_min_steps``; under ``torch.compile`` wraps the data collator so that an
+all-ones attention mask is left out), ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
 trainer's switches), ``training_step`` (with autotune, the run's first step first times the model's forward and
 backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
