@@ -27,6 +27,7 @@ behaves exactly like ``Trainer``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -108,7 +109,7 @@ def too_short_to_compile(args, train_dataset) -> str | None:
         steps = args.max_steps
     elif hasattr(train_dataset, "__len__"):
         batches = math.ceil(len(train_dataset) / (args.per_device_train_batch_size * max(args.world_size, 1)))
-        steps = math.ceil(args.num_train_epochs * max(batches // args.gradient_accumulation_steps, 1))
+        steps = math.ceil(args.num_train_epochs * math.ceil(batches / args.gradient_accumulation_steps))
     else:
         return None  # unknown length: compile as asked
     if steps >= args.compile_min_steps:
@@ -160,12 +161,16 @@ class ApexTrainer(Trainer):
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
 
     def __init__(self, *args, **kwargs):
-        # Decided before Trainer.__init__, which hands torch_compile to accelerate for good.
-        given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
-        self.compile_skipped = too_short_to_compile(given.get("args"), given.get("train_dataset"))
+        # Decided before Trainer.__init__, which hands the compile backend to accelerate for good; on a copy of
+        # the arguments, so that yours stay as you made them.
+        given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs)
+        self.compile_skipped = too_short_to_compile(given.arguments.get("args"), given.arguments.get("train_dataset"))
         if self.compile_skipped:
-            given["args"].torch_compile = False
             logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
+            eager = copy.copy(given.arguments["args"])
+            eager.torch_compile, eager.torch_compile_backend, eager.torch_compile_mode = False, "no", None
+            given.arguments["args"] = eager
+            args, kwargs = given.args[1:], given.kwargs
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, ApexTrainingArguments):
             return
@@ -304,7 +309,7 @@ class ApexTrainer(Trainer):
         if not self.args.fused_linear_cross_entropy:
             unfuse_linear_cross_entropy(model)  # a model reused from a run that had it
             return None
-        reason = fuse_linear_cross_entropy(model)
+        reason = fuse_linear_cross_entropy(model) if not self.args.fp16 else "FP16 autocast keeps the stock loss"
         if reason is not None:  # a stage turns it on for every model: only a switch of yours warrants a warning
             log = logger.info if self.args.stage else logger.warning
             log("hf_apex: fused_linear_cross_entropy is on but not used: %s.", reason)

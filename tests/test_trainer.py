@@ -438,13 +438,18 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     )
     assert "32 optimizer steps" in too_short_to_compile(epochs, TokenDataset(n=64))  # 16 batches x 2 epochs
     assert too_short_to_compile(epochs, iter([])) is None  # unknown length: compile as asked
+    from accelerate.utils import DynamoBackend
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    mine = train_args(tmp_path / "run", torch_compile=True, compile_min_steps=100, max_steps=2)
     with caplog.at_level("WARNING", logger="hf_apex"):
-        trainer = ApexTrainer(
-            model=tiny_model("gpt2").train(),
-            args=train_args(tmp_path / "run", torch_compile=True, compile_min_steps=100, max_steps=2),
-            train_dataset=TokenDataset(),
-        )
+        trainer = ApexTrainer(tiny_model("gpt2").train(), mine, train_dataset=TokenDataset())  # (positional too)
     assert "not compiling: the run has 2 optimizer steps" in caplog.text and not trainer.args.torch_compile
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO  # accelerate will not compile
+    assert mine.torch_compile and mine.torch_compile_backend == "inductor"  # your arguments are left as they were
     trainer.train()
+    assert not isinstance(trainer.model_wrapped, OptimizedModule)
     metrics = json.loads((tmp_path / "run" / METRICS_FILENAME).read_text())
     assert not metrics["run"]["torch_compile"] and metrics["kernels"]["torch_compile"].startswith("not used: ")
+    asked = ApexTrainer(tiny_model("gpt2").train(), train_args(tmp_path / "c", torch_compile=True, max_steps=2))
+    assert asked.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR  # (what the check above sees)

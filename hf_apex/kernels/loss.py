@@ -37,38 +37,45 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     ``hidden`` is (positions, d), ``targets`` (positions,) with ``ignore_index`` where no loss is taken; the sum of
     the per-position losses is divided by ``divisor`` (the number of targets for a mean). ``amp`` is the autocast
-    dtype of the matmuls (None: the inputs' own dtype); ``grads``: compute the gradients (a training step).
+    dtype of the matmuls (None: the inputs' own dtype); ``grad_hidden`` / ``grad_weight``: which gradients to
+    compute (a training step; a frozen head needs none of its own).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, divisor, ignore_index: int, amp: torch.dtype | None, grads: bool):
+    def forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, grad_hidden: bool, grad_weight: bool):
         dtype = amp or hidden.dtype
         vocab = weight.shape[0]
         h = hidden.to(dtype)
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
-        chunk = max(1, CHUNK_ELEMENTS // w.shape[0])
-        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if grads else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grads else None
+        # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph
+        chunks = 1
+        while chunks * CHUNK_ELEMENTS < h.shape[0] * w.shape[0]:
+            chunks *= 2
+        grad_h = [] if grad_hidden else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grad_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, h.shape[0], chunk):
-            hc, yc = h[start : start + chunk], targets[start : start + chunk]
+        for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
             logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
             logits[:, vocab:] = float("-inf")  # the padding rows take no part in the softmax
             lse = torch.logsumexp(logits, dim=-1)
             valid = yc != ignore_index
-            picked = logits.gather(1, yc.where(valid, 0)[:, None]).squeeze(1)
+            target = yc.where(valid, 0)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
             total += torch.where(valid, lse - picked, 0.0).sum()
-            if grads:  # d loss / d logits = softmax - one_hot(target), on the positions that count
+            if grad_hidden or grad_weight:  # d loss / d logits = softmax - one_hot(target), where a target counts
                 probs = logits.sub_(lse[:, None]).exp_()
-                rows = torch.arange(len(yc), device=yc.device)
-                probs[rows, yc.where(valid, 0)] -= valid.to(probs.dtype)
-                probs.mul_(valid[:, None])
-                g = probs.to(dtype)
-                grad_h[start : start + chunk] = (g @ w).float()
-                grad_w += (g.T @ hc).float()
+                probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
+                g = probs.mul_(valid[:, None]).to(dtype)
+                if grad_hidden:
+                    grad_h.append((g @ w).float())
+                if grad_weight:
+                    grad_w += (g.T @ hc).float()
         divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
-        if grads:
-            ctx.save_for_backward(grad_h / divisor, grad_w[:vocab] / divisor)
+        if grad_hidden or grad_weight:
+            ctx.save_for_backward(
+                torch.cat(grad_h).div_(divisor) if grad_hidden else None,
+                grad_w[:vocab].div_(divisor) if grad_weight else None,
+            )
             ctx.dtypes = hidden.dtype, weight.dtype
         return total / divisor
 
@@ -76,7 +83,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         dh, dw = ctx.dtypes
-        return (grad_h * grad_loss).to(dh), (grad_w * grad_loss).to(dw), None, None, None, None, None
+        return (
+            (grad_h * grad_loss).to(dh) if grad_h is not None else None,
+            (grad_w * grad_loss).to(dw) if grad_w is not None else None,
+            *[None] * 6,
+        )
 
 
 def causal_lm_loss(
@@ -95,26 +106,46 @@ def causal_lm_loss(
     targets = shift_labels.reshape(-1).to(hidden.device)
     divisor = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     amp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
-    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    grads = torch.is_grad_enabled()
     with torch.autocast(hidden.device.type, enabled=False):
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return LinearCrossEntropy.apply(flat, weight, targets, divisor, ignore_index, amp, grads)
+        return LinearCrossEntropy.apply(
+            flat,
+            weight,
+            targets,
+            divisor,
+            ignore_index,
+            amp,
+            grads and hidden.requires_grad,
+            grads and weight.requires_grad,
+        )
 
 
 def unsupported(model: nn.Module) -> str | None:
-    """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can."""
+    """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can: a
+    transformers causal LM (``...ForCausalLM``, or GPT-2's ``GPT2LMHeadModel``) of a family in ``SUPPORTED``, whose
+    forward is its base model then a bias-free linear head and nothing between the head and the softmax. Wrappers
+    (PEFT's, say) and models with other heads are left alone."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if not isinstance(model, PreTrainedModel) or not (name.endswith("ForCausalLM") or name == "GPT2LMHeadModel"):
+        return f"{name}: not a transformers causal LM (...ForCausalLM)"
     if model_type not in SUPPORTED:
-        return f"{type(model).__name__}: only causal LMs of {', '.join(SUPPORTED)} (not {model_type})"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return f"{name}: only causal LMs of {', '.join(SUPPORTED)} (not {model_type})"
+    base = model.base_model
+    if base is model or not isinstance(base, PreTrainedModel):
+        return f"{name}: no base model apart from the head"
+    head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        return f"{type(model).__name__}: the LM head is not a bias-free nn.Linear"
-    if getattr(model, "loss_type", "ForCausalLM") not in (None, "ForCausalLM"):
-        return f"{type(model).__name__}: its loss is {model.loss_type}, not the causal-LM cross-entropy"
+        return f"{name}: the LM head is not a bias-free nn.Linear"
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        return f"{name}: its loss is {model.loss_type}, not the causal-LM cross-entropy"
     extras = [a for a in _LOGIT_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
     if extras:
-        return f"{type(model).__name__}: its logits are transformed before the loss ({', '.join(extras)})"
+        return f"{name}: its logits are transformed before the loss ({', '.join(extras)})"
     return None
 
 
@@ -122,7 +153,12 @@ class _FusedLossLM:
     """The forward of a model whose training loss is :func:`causal_lm_loss` (mixed in before its own class)."""
 
     def forward(self, *args, labels=None, **kwargs):
-        if labels is None or not self.training or not torch.is_grad_enabled():
+        # FP16 autocast keeps the stock loss: the chunks' gradients would be summed in FP16 before the GradScaler's
+        # scale applies (the stock path lets the scaler lower the scale where this could only overflow).
+        fp16 = (
+            torch.is_autocast_enabled(self.device.type) and torch.get_autocast_dtype(self.device.type) == torch.float16
+        )
+        if labels is None or not self.training or not torch.is_grad_enabled() or fp16:
             return super().forward(*args, labels=labels, **kwargs)
         loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         kwargs.pop("logits_to_keep", None)
@@ -141,34 +177,43 @@ class _FusedLossLM:
         return "training loss: chunked LM head + cross-entropy (hf_apex; no logits held, vocabulary padded to x64)"
 
     def __reduce_ex__(self, protocol):  # pickles as the stock class plus the swap
-        return _rebuild, (stock_model_class(self),), self.__dict__
+        return _rebuild, (stock_model_class(self),), self.__getstate__()
 
 
 @functools.cache
 def fused_loss_class(stock_cls: type) -> type:
-    name = f"FusedLoss{stock_cls.__name__}"
+    """The class a fused model takes: ``stock_cls`` with :class:`_FusedLossLM`'s forward. It keeps the stock
+    class's name, which ``save_pretrained`` writes into ``config.architectures`` for other tools to load by;
+    ``print(model)`` shows the swap in its first line inside."""
 
     # The stock forward's signature and docs: the Trainer keeps the dataset columns that the signature names.
     @functools.wraps(stock_cls.forward)
     def forward(self, *args, **kwargs):
         return _FusedLossLM.forward(self, *args, **kwargs)
 
-    return type(name, (_FusedLossLM, stock_cls), {"__module__": __name__, "__qualname__": name, "forward": forward})
+    members = {"__module__": stock_cls.__module__, "__qualname__": stock_cls.__qualname__, "forward": forward}
+    return type(stock_cls.__name__, (_FusedLossLM, stock_cls), members)
 
 
 def _rebuild(stock_cls: type) -> nn.Module:
     return object.__new__(fused_loss_class(stock_cls))
 
 
+def is_fused(model: nn.Module) -> bool:
+    return isinstance(model, _FusedLossLM)
+
+
 def stock_model_class(model: nn.Module) -> type:
-    cls = type(model)
-    return cls.__mro__[2] if issubclass(cls, _FusedLossLM) else cls
+    """The class ``model`` had before :func:`fuse_linear_cross_entropy` (the one after the mixin; wrappers that
+    subclassed it since, such as FSDP2's, come before)."""
+    mro = type(model).__mro__
+    return mro[mro.index(_FusedLossLM) + 1] if _FusedLossLM in mro else type(model)
 
 
 def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
     """Compute ``model``'s training loss with :func:`causal_lm_loss` (a class swap on this instance; idempotent).
     Returns None when done, else why not (the model is left as it was)."""
-    if isinstance(model, _FusedLossLM):
+    if is_fused(model):
         return None
     reason = unsupported(model)
     if reason is None:
@@ -176,6 +221,12 @@ def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
     return reason
 
 
-def unfuse_linear_cross_entropy(model: nn.Module) -> None:
-    if isinstance(model, _FusedLossLM):
-        model.__class__ = stock_model_class(model)
+def unfuse_linear_cross_entropy(model: nn.Module) -> bool:
+    """Give ``model`` back its stock class; False (and nothing done) where a wrapper (FSDP2's) has subclassed the
+    fused class since, which only that wrapper could undo."""
+    if not is_fused(model):
+        return True
+    if type(model).__bases__[0] is not _FusedLossLM:
+        return False
+    model.__class__ = stock_model_class(model)
+    return True

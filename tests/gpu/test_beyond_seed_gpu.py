@@ -78,7 +78,7 @@ def test_compiled_follows_the_eager_bf16_loss_curve(tmp_path):
 def test_fastest_follows_the_eager_bf16_loss_curve_in_less_memory(tmp_path):
     eager = train(tmp_path / "eager", "torch_fused", steps=60)
     compiled = train(tmp_path / "compiled", "compiled", steps=60)
-    fastest = train(tmp_path / "fastest", "fastest", steps=60)
+    fastest = train(tmp_path / "fastest", "fastest", steps=60, compile_min_steps=0)  # compiled although short
     assert fastest["lm_loss"] == {"fused_linear_cross_entropy": True, "reason": None}
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
@@ -86,5 +86,7 @@ def test_fastest_follows_the_eager_bf16_loss_curve_in_less_memory(tmp_path):
     # The loss's own maths is the stock one (logits rounded to BF16, FP32 softmax); Inductor fuses the rest
     # differently, as in `compiled`: 5-step means within 2 %.
     assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
-    # No logits held: 8 x 512 positions x 50,257 logits are 0.8 GB in FP32, with their gradient as large again
-    assert fastest["peak_memory_allocated_gib"] < compiled["peak_memory_allocated_gib"] - 0.5
+    assert fastest["run"]["torch_compile"]
+    # No logits held (8 x 512 x 50,257: 0.4 GB in BF16, 0.8 GB in FP32); by how much Inductor's own loss keeps
+    # fewer is not known, hence only "less" (tests/gpu/test_loss_gpu.py holds the margin at GPT-2 124M's size)
+    assert fastest["peak_memory_allocated_gib"] < compiled["peak_memory_allocated_gib"]

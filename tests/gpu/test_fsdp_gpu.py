@@ -27,8 +27,9 @@ def test_fsdp2_apex_fused_adam_on_two_gpus_matches_one(tmp_path):
 
 
 # Through ApexTrainer, as users run it (transformers' fsdp flags / DDP under torchrun), with the Trainer's own
-# checkpoints. FP32 stage: reductions in another order on 2 GPUs; BF16 stage: autocast's rounding on top.
-TOLERANCE = {"fused_adam_ln": {"rtol": 1e-4, "atol": 1e-5}, "fused_full": {"rtol": 2e-2, "atol": 2e-4}}
+# checkpoints. FP32 stage: reductions in another order on 2 GPUs. BF16 stage: an element whose gradient is within
+# BF16 rounding of zero can take one of Adam's steps (about lr = 1e-3 early on) the other way, hence atol = lr.
+TOLERANCE = {"fused_adam_ln": {"rtol": 1e-4, "atol": 1e-5}, "fused_full": {"rtol": 2e-2, "atol": 1e-3}}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
