@@ -85,8 +85,8 @@ STAGES: dict[str, StageConfig] = {
             **_TORCH_FUSED,
             torch_compile=True,
             fused_linear_cross_entropy=True,
-            # compilation took 21-30 s on an H200 and paid off against torch_fused after ~410 (Llama), ~470
-            # (GPT-2) and ~2,200 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
+            # compilation took 21-29 s on an H200 and paid off against torch_fused after ~400 (Llama), ~460
+            # (GPT-2) and ~2,150 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
             compile_min_steps=500,
         ),
         StageConfig(

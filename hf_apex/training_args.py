@@ -55,7 +55,7 @@ class ApexTrainingArguments(TrainingArguments):
         compile_min_steps (`int` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took
-            21-30 s per model on an H200 and paid off against eager BF16 after ~410-2,200 steps. `None` (or 0)
+            21-29 s per model on an H200 and paid off against eager BF16 after ~400-2,150 steps. `None` (or 0)
             compiles whenever asked; the `fastest` stage sets 500, which a value of yours overrides.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed

@@ -88,30 +88,43 @@ def median_interval(steps: list[float] | Runs | None) -> tuple[float, float] | N
     return _interval(_resampled_medians(runs[0], np.random.default_rng(0)))
 
 
+def _log_spread(runs: Runs) -> tuple[float, float, float] | None:
+    """log(typical_step), its standard error and degrees of freedom: over the runs when there are several, else
+    from the block bootstrap of the one run (its within-run spread only; infinite degrees of freedom)."""
+    if len(runs) > 1:
+        logs = _log_medians(runs)
+        return float(logs.mean()), float(logs.std(ddof=1) / np.sqrt(len(runs))), float(len(runs) - 1)
+    if len(runs[0]) < 2 * BLOCK:
+        return None
+    medians = _resampled_medians(runs[0], np.random.default_rng(0))
+    return float(np.log(np.median(runs[0]))), float(np.log(medians).std()), float("inf")
+
+
 def relative_difference(a: list[float] | Runs | None, b: list[float] | Runs | None) -> dict | None:
     """typical_step(a) / typical_step(b) - 1, with its 95 % interval: run by run when both have as many runs (more
-    than one), by Welch's interval when both have several, else by the bootstrap of one run against the other
-    (each side's runs pooled; the interval then leaves out run-to-run variation)."""
+    than one: run i of each ran in the same round), by the bootstrap of one run against the other when both have
+    one (the interval then leaves out run-to-run variation), else by Welch's interval on the logarithms."""
     a, b = as_runs(a), as_runs(b)
     if not a or not b:
         return None
-    if len(a) > 1 and len(b) > 1:
-        la, lb = _log_medians(a), _log_medians(b)
-        if len(a) == len(b):
-            d = la - lb
-            mean, se, dof = d.mean(), d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
-        else:
-            va, vb = la.var(ddof=1) / len(la), lb.var(ddof=1) / len(lb)
-            mean, se = la.mean() - lb.mean(), np.sqrt(va + vb)
-            dof = (va + vb) ** 2 / (va**2 / (len(la) - 1) + vb**2 / (len(lb) - 1)) if va + vb else len(a) + len(b) - 2
-        half = _t95(dof) * se
-        return {"value": float(np.expm1(mean)), "lo": float(np.expm1(mean - half)), "hi": float(np.expm1(mean + half))}
-    a, b = [t for r in a for t in r], [t for r in b for t in r]
-    if min(len(a), len(b)) < 2 * BLOCK:
-        return None
-    rng = np.random.default_rng(0)
-    lo, hi = _interval(_resampled_medians(a, rng) / _resampled_medians(b, rng) - 1)
-    return {"value": float(np.median(a) / np.median(b) - 1), "lo": lo, "hi": hi}
+    if len(a) == len(b) > 1:
+        d = _log_medians(a) - _log_medians(b)
+        mean, se, dof = d.mean(), d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
+    elif len(a) == len(b) == 1:
+        if min(len(a[0]), len(b[0])) < 2 * BLOCK:
+            return None
+        rng = np.random.default_rng(0)
+        lo, hi = _interval(_resampled_medians(a[0], rng) / _resampled_medians(b[0], rng) - 1)
+        return {"value": float(np.median(a[0]) / np.median(b[0]) - 1), "lo": lo, "hi": hi}
+    else:
+        sa, sb = _log_spread(a), _log_spread(b)
+        if sa is None or sb is None:
+            return None
+        (ma, ea, fa), (mb, eb, fb) = sa, sb
+        mean, se = ma - mb, np.hypot(ea, eb)
+        dof = se**4 / (ea**4 / fa + eb**4 / fb) if se else fa + fb  # Welch-Satterthwaite
+    half = _t95(dof) * se
+    return {"value": float(np.expm1(mean)), "lo": float(np.expm1(mean - half)), "hi": float(np.expm1(mean + half))}
 
 
 @dataclasses.dataclass
@@ -174,10 +187,11 @@ def row_from_runs(model: str, runs: list[dict], plains: list[dict] | None = None
         return row
     timed = [r.timed_steps_ms[0] for r in every if r.timed_steps_ms]
     plain_timed = [r.plain_loop_timed_steps_ms[0] for r in every if r.plain_loop_timed_steps_ms]
-    if len(timed) == len(every):
-        row.step_time_ms_p20, row.step_time_ms_p80 = map(float, np.quantile([t for r in timed for t in r], [0.2, 0.8]))
-        row.step_time_ms_p50, row.step_time_ms_ci = typical_step(timed), median_interval(timed)
-        row.timed_steps_ms = timed
+    if len(timed) < len(every):  # runs without per-step times (older metrics files): the first run stands alone
+        return row
+    row.step_time_ms_p20, row.step_time_ms_p80 = map(float, np.quantile([t for r in timed for t in r], [0.2, 0.8]))
+    row.step_time_ms_p50, row.step_time_ms_ci = typical_step(timed), median_interval(timed)
+    row.timed_steps_ms = timed
     if plain_timed and len(plain_timed) == len(every):
         row.plain_loop_timed_steps_ms, row.plain_loop_ms_p50 = plain_timed, typical_step(plain_timed)
 
@@ -364,25 +378,29 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
 
 
 def compilation_costs(rows: list[BenchRow]) -> list[str]:
-    """Per compiled row: its compilation (the first step's time beyond a typical step) and how many steps it takes
-    to repay it against the eager BF16 row of the same model (``torch_fused``), when that row is faster to start."""
+    """Per compiled row: its compilation, the first step's time beyond a typical step (less the eager BF16 row's
+    own first-step extra, cuBLAS and allocator warm-up, when the model has a ``torch_fused`` row), and how many
+    steps repay it against that row."""
     out = []
     for r in rows:
         if not r.compiled or r.first_step_ms is None or r.step_time_ms_p50 is None:
             continue
-        compile_ms = r.first_step_ms - r.step_time_ms_p50
         eager = next(
             (e for e in rows if (e.model, e.stage, e.world_size) == (r.model, "torch_fused", r.world_size)), None
         )
-        saved = eager.step_time_ms_p50 - r.step_time_ms_p50 if eager and eager.step_time_ms_p50 else None
+        if eager is not None and (eager.first_step_ms is None or eager.step_time_ms_p50 is None):
+            eager = None
+        compile_ms = r.first_step_ms - r.step_time_ms_p50
+        if eager is not None:
+            compile_ms -= eager.first_step_ms - eager.step_time_ms_p50
+        saved = eager.step_time_ms_p50 - r.step_time_ms_p50 if eager is not None else None
         gpus = f" ×{r.world_size}" if r.world_size > 1 else ""
-        repaid = (
-            f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
-            if saved and saved > 0
-            else ", never repaid against torch_fused (no faster per step)"
-            if saved is not None
-            else ""
-        )
+        if saved is None:
+            repaid = ""
+        elif saved > 0:
+            repaid = f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
+        else:
+            repaid = ", never repaid against torch_fused (no faster per step)"
         out.append(f"{r.model} {r.stage}{gpus}: compilation {compile_ms / 1e3:.1f} s (first step){repaid}.")
     return out
 
