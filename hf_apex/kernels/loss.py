@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
-CHUNK_ELEMENTS = 2**27  # logits per chunk (FP32: 512 MiB); positions per chunk = this / padded vocabulary
+CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB): the positions go in 1, 2, 4... chunks
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 # Config attributes that put something between the head and the softmax in some families.
