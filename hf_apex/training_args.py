@@ -50,8 +50,8 @@ class ApexTrainingArguments(TrainingArguments):
             Under `torch_compile` only: a batch whose `attention_mask` is all ones (packed LM blocks, unpadded
             batches) goes to the model without it, which means the same to the model. Compiling, transformers
             cannot look at the mask's values and builds the full mask, which keeps SDPA off its causal flash
-            kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the
-            collator (no device sync); padded batches keep their mask.
+            kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the collator (no device
+            sync); padded batches keep their mask.
         compile_min_steps (`int` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took
@@ -62,7 +62,8 @@ class ApexTrainingArguments(TrainingArguments):
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
             maths as transformers' loss (the logits rounded to the autocast dtype, the softmax in FP32), the head's
             matmuls on a vocabulary padded to a multiple of 64 with the padding masked out. Training forwards then
-            return no logits; evaluation runs the stock forward. Another model is trained as it is, with a warning.
+            return no logits; evaluation runs the stock forward. Another model, and any under FP16 autocast, keeps
+            its loss: the metrics JSON's `lm_loss` says which (with a warning when you asked for it yourself).
 
         > Parameters that control the stage metrics
 
