@@ -15,7 +15,8 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 REPO = WORKER.parents[1]
 
 
-def launch(out: Path, nproc: int, cuda: bool = False) -> dict:
+def run_worker(worker: Path, args: list[str], nproc: int, cuda: bool, timeout: int) -> subprocess.CompletedProcess:
+    """``worker`` with ``args``: alone for one process, under torchrun for more; CPU (gloo) unless ``cuda``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     env = {
         **os.environ,
@@ -23,15 +24,18 @@ def launch(out: Path, nproc: int, cuda: bool = False) -> dict:
         "OMP_NUM_THREADS": "1",
     }
     env |= {"HF_APEX_TEST_CUDA": "1", "NCCL_NVLS_ENABLE": "0"} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
+    if cuda and nproc == 1:
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # one process seeing two GPUs would train under nn.DataParallel
+    launcher = cmd if nproc > 1 else [sys.executable]
     proc = subprocess.run(
-        [*(cmd if nproc > 1 else [sys.executable]), str(WORKER), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
+        [*launcher, str(worker), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def launch(out: Path, nproc: int, cuda: bool = False) -> dict:
+    run_worker(WORKER, [str(out)], nproc, cuda, timeout=300)
     return torch.load(out / "result.pt", map_location="cpu")
 
 
@@ -68,24 +72,7 @@ def launch_trainer(out: Path, mode: str, stage: str, *extra: str, cuda: bool = F
     """tests/sharded_worker.py: ApexTrainer for 4 steps at a global batch of 4, a checkpoint every 2 steps; its
     summary (and the parameters it dumped, rank 0's unless DDP)."""
     nproc = 1 if mode == "single" else 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-    }
-    env |= {"HF_APEX_TEST_CUDA": "1", "NCCL_NVLS_ENABLE": "0"} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
-    if cuda and nproc == 1:
-        env["CUDA_VISIBLE_DEVICES"] = "0"  # one process seeing two GPUs would train under nn.DataParallel
-    proc = subprocess.run(
-        [*(cmd if nproc > 1 else [sys.executable]), str(SHARDED_WORKER), str(out), mode, stage, *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_worker(SHARDED_WORKER, [str(out), mode, stage, *extra], nproc, cuda, timeout=600)
     suffix = "-resumed" if extra else ""
     (out / f"log{suffix}.txt").write_text(proc.stdout + proc.stderr)
     summary = json.loads((out / f"summary{suffix}.json").read_text())
