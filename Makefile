@@ -10,8 +10,8 @@ APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
-# recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (BERT's BF16 stages:
-# 3 runs of 100), BERT 128x128, GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
+# recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 30; BERT's
+# BF16 stages: 3 runs of 100), BERT 128x128, GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
 BENCH_STAGES ?=
 # BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun), same per-device batch; BENCH_NPROC="1 2": both, with scaling

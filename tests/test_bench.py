@@ -274,6 +274,59 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
     assert run["per_device_train_batch_size"] == 8
 
 
+PROBE = """
+import json, multiprocessing, os, sys
+seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "start_method": multiprocessing.get_start_method(),
+        "torch_imported_before": "torch" in sys.modules, "name": __name__}
+print("probe ran")
+json.dump(seen, open(sys.argv[1], "w"))
+if sys.argv[2] == "fail":
+    raise RuntimeError("the probe failed on purpose")
+"""
+
+DRIVER = """
+import multiprocessing, sys
+from pathlib import Path
+sys.path.insert(0, {recipes!r})
+import bench
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(["plain_loop"])
+    for i, outcome in enumerate(sys.argv[1:]):
+        cmd = [sys.executable, {probe!r}, {tmp!r} + f"/seen{{i}}.json", outcome]
+        bench.run(cmd, Path({tmp!r}) / f"{{i}}.log", preload=True)
+"""
+
+
+def test_preloaded_runs_start_like_a_new_interpreter_with_the_imports_done(tmp_path):
+    """bench.run(preload=True): each run is a process forked from the fork server, which imported the recipes (and
+    torch) once; the script sees its own argv, the repository as cwd, __main__, and the start method a new
+    interpreter has (its loader workers must not start from the fork server); a failure stops the bench with the
+    log's tail."""
+    probe, driver = tmp_path / "probe.py", tmp_path / "driver.py"
+    probe.write_text(PROBE)
+    driver.write_text(DRIVER.format(recipes=str(REPO / "recipes"), probe=str(probe), tmp=str(tmp_path)))
+    default = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    ok = subprocess.run([sys.executable, str(driver), "ok", "ok"], cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    for i in range(2):
+        seen = json.loads((tmp_path / f"seen{i}.json").read_text())
+        assert seen == {
+            "argv": [str(tmp_path / f"seen{i}.json"), "ok"],
+            "cwd": str(REPO),
+            "start_method": default,
+            "torch_imported_before": True,  # the probe imports no torch: the fork server did
+            "name": "__main__",
+        }
+        assert (tmp_path / f"{i}.log").read_text() == "probe ran\n"
+    failed = subprocess.run([sys.executable, str(driver), "fail"], cwd=tmp_path, capture_output=True, text=True)
+    assert failed.returncode != 0
+    assert "failed (exit 1)" in failed.stderr and "the probe failed on purpose" in failed.stderr
+
+
 def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_path):  # noqa: F811
     flags = "--models gpt2 --stages baseline --steps 2 --warmup 1 --nproc 2"
     out = run_bench(generated_data, word_tokenizer, tmp_path, flags)
@@ -395,7 +448,7 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
     """main() over --nproc 1 2 with the runs faked (synthetic metrics), so it takes no processes at all."""
     launched = []
 
-    def fake_run(cmd, log):
+    def fake_run(cmd, log, preload=False):
         launched.append((cmd, log.name))
         if cmd[1].endswith("plain_loop.py"):
             steps = _steps(38.0, 40, seed=20)
@@ -452,7 +505,7 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
     """--repeats 2: every stage once per round, the runs of a row in -r2 folders, one row per stage pooling both."""
     launched = []
 
-    def fake_run(cmd, log):
+    def fake_run(cmd, log, preload=False):
         launched.append(log.name)
         seed = len(launched)
         if cmd[1].endswith("plain_loop.py"):

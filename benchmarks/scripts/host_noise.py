@@ -6,7 +6,7 @@ usage: python benchmarks/scripts/host_noise.py OUT_DIR [--runs 3] [--stage fused
 Settings, each a fresh process per run: `default` (as make bench), `cores0-7` (the process and its loader workers
 on cores 0-7, `taskset`), `workers0` (no loader worker processes) and `omp1` (OMP_NUM_THREADS=1). nvidia-smi
 samples SM clock, power and utilisation every 100 ms during each run. OUT_DIR/summary.json holds, per setting,
-each run's median step time, the spread between runs, and the SM clock during each run's timed steps; the per-step
+each run's median step time, the spread between runs, and the SM clock while the GPU was busy; the per-step
 times and the samples stay beside it.
 """
 
@@ -32,6 +32,10 @@ SETTINGS = {
     "omp1": ([], {"OMP_NUM_THREADS": "1"}, []),
 }
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu"
+
+
+def _number(text: str) -> bool:
+    return text.strip().replace(".", "", 1).isdigit()
 
 
 def main() -> None:
@@ -78,14 +82,17 @@ def main() -> None:
                     ],
                 }
             if smi:
+                samples = [line.split(",") for line in (out / f"{tag}-smi.csv").read_text().splitlines()]
+                # The clock while the GPU worked (utilisation above 0): start-up idles at the lowest clock.
                 clocks = [
-                    float(line.split(",")[1])
-                    for line in (out / f"{tag}-smi.csv").read_text().splitlines()
-                    if line.count(",") == 4 and line.split(",")[1].strip().replace(".", "").isdigit()
+                    float(f[1])
+                    for f in samples
+                    if len(f) == 5 and all(_number(x) for x in (f[1], f[4])) and float(f[4]) > 0
                 ]
                 if clocks:
                     row |= {
-                        "sm_clock_mhz": {"min": min(clocks), "median": statistics.median(clocks), "max": max(clocks)}
+                        "busy_samples": len(clocks),
+                        "sm_clock_mhz": {"min": min(clocks), "median": statistics.median(clocks), "max": max(clocks)},
                     }
             results[name].append(row)
             print(name, row, flush=True)
