@@ -3,10 +3,11 @@
     python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] <recipes/finetune.py flags>
 
 Runs `recipes/finetune.py` with the given flags and profiles optimizer steps A..B-1 twice: once with
-torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values), once with
-cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks,
-logging). Prints both; writes nothing. `--plain` profiles recipes/plain_loop.py's steps instead (the same
-training without the Trainer). Used to find the Trainer's own host cost on a host-bound step.
+torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the device's
+busy time against the wall time, and the kernels by device time), once with cProfile (host time per Trainer phase:
+data, forward+backward, clipping, optimizer, scheduler, callbacks, logging). Prints both; writes nothing. `--plain`
+profiles recipes/plain_loop.py's steps instead (the same training without the Trainer). Used to find the Trainer's
+own host cost on a host-bound step, and where a device-bound step spends its time.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Profile(TrainerCallback):
             )
             self.torch_prof = torch.profiler.profile(activities=acts)
             self.torch_prof.__enter__()
+            self.t_torch = time.perf_counter()
         if step == self.last:
             self.cprof = cProfile.Profile()
             self.t0 = time.perf_counter()
@@ -65,6 +67,9 @@ class Profile(TrainerCallback):
 
     def end(self, step: int):
         if step == self.last and self.torch_prof is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.wall_torch = time.perf_counter() - self.t_torch
             self.torch_prof.__exit__(None, None, None)
             self.report_torch(self.last - self.first)
             self.torch_prof = None
@@ -82,6 +87,19 @@ class Profile(TrainerCallback):
             print(f"  {name:32s} {counts.get(name, 0) / n:8.2f}")
         table = self.torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         print(table)
+        # Where the device time goes: busy time against the (profiled) wall time, then the kernels that take it.
+        busy_ms = sum(
+            e.time_range.elapsed_us()
+            for e in self.torch_prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ) / (1e3 * n)
+        print(f"\n== device time per optimizer step (mean of {n}) ==")
+        print(f"  wall {1e3 * self.wall_torch / n:8.2f} ms (profiled), kernels and copies {busy_ms:8.2f} ms")
+        print(
+            self.torch_prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
+            )
+        )
 
     def report_cprofile(self, n: int):
         stats = pstats.Stats(self.cprof)
