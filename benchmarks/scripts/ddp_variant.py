@@ -1,6 +1,8 @@
-"""One GPT-2 16x1024 run through recipes/finetune.py with extra TrainingArguments flags; prints a one-line summary.
-usage: OUT=<dir> python benchmarks/scripts/ddp_variant.py NAME NPROC STAGE STEPS [finetune flags...]
-Environment variables pass through to the run."""
+"""One bench-shaped run through recipes/finetune.py with extra flags; prints a one-line summary and appends it, with
+the per-step times, to $OUT/ddp_variants.jsonl (the run's log: $OUT/ddp_logs/NAME.log).
+usage: OUT=<dir> [MODEL=bert|gpt2|llama] python benchmarks/scripts/ddp_variant.py NAME NPROC STAGE STEPS [flags...]
+MODEL (default gpt2) picks `make bench`'s model and shape. Flags after STEPS override the bench's (the last wins),
+e.g. `--torch_compile_mode reduce-overhead` or `--config_overrides ...`. Environment variables pass through."""
 
 import json
 import os
@@ -17,7 +19,7 @@ name, nproc, stage, steps, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], i
 opts = bench.parse_args(["--data_dir", ".deps/data", "--nproc", str(nproc), "--steps", str(steps)])
 opts.warmup, opts.tiny = 10, False
 out = Path(tempfile.gettempdir()) / "ddpv" / name
-flags = bench.finetune_args("gpt2", stage, opts, out) + extra
+flags = bench.finetune_args(os.environ.get("MODEL", "gpt2"), stage, opts, out) + extra
 launcher = [sys.executable] + (
     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
 )
