@@ -12,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_apex.autotune import Autotuner, DecisionCache  # noqa: E402
+from tests.testing_utils import leave_worker  # noqa: E402
 
 
 def failing_prepare():
@@ -28,5 +29,6 @@ if __name__ == "__main__":
         sys.stdout.flush()
         dist.barrier()
         dist.destroy_process_group()
-        sys.exit(3)
+        leave_worker(3)
     dist.destroy_process_group()
+    leave_worker()

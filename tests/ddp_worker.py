@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_apex import ApexTrainer, ApexTrainingArguments  # noqa: E402
-from tests.testing_utils import TokenDataset, tiny_model  # noqa: E402
+from tests.testing_utils import TokenDataset, leave_worker, tiny_model  # noqa: E402
 
 
 def main(out_dir: str, stage: str, batch: int, variant: str = "") -> None:
@@ -52,10 +52,9 @@ def main(out_dir: str, stage: str, batch: int, variant: str = "") -> None:
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     torch.save(state, Path(out_dir) / f"params-rank{args.process_index}.pt")
     if torch.distributed.is_initialized():
-        # Tear gloo down explicitly: left to interpreter exit, its threads can abort the process
-        # ("terminate called without an active exception") after training has finished.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    leave_worker()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_apex import rewire  # noqa: E402
 from hf_apex.kernels.optim import FusedAdamFallback  # noqa: E402
-from tests.testing_utils import VOCAB, tiny_model  # noqa: E402
+from tests.testing_utils import VOCAB, leave_worker, tiny_model  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
 CUDA = os.environ.get("HF_APEX_TEST_CUDA") == "1"
@@ -134,6 +134,7 @@ def main(out_dir: str) -> None:
     if world > 1:
         dist.barrier()  # no rank tears gloo down while another still has work in flight
         dist.destroy_process_group()
+    leave_worker()
 
 
 if __name__ == "__main__":

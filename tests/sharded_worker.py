@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_apex import ApexTrainer, ApexTrainingArguments  # noqa: E402
-from tests.testing_utils import TokenDataset, tiny_model  # noqa: E402
+from tests.testing_utils import TokenDataset, leave_worker, tiny_model  # noqa: E402
 
 GLOBAL_BATCH, STEPS, SAVE_EVERY = 4, 4, 2
 CUDA = os.environ.get("HF_APEX_TEST_CUDA") == "1"
@@ -85,11 +85,7 @@ def main(out_dir: str, mode: str, stage: str, resume: str | None = None) -> None
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    # Everything is on disk. Leave without running C++ static destructors: under load, a gloo thread still joinable
-    # there aborts a finished run now and then ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()
 
 
 if __name__ == "__main__":
