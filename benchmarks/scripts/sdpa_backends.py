@@ -1,0 +1,92 @@
+"""Forward + backward time of each SDPA backend on the bench models' attention shapes (BF16, CUDA).
+
+usage: python benchmarks/scripts/sdpa_backends.py [OUT.json]
+
+The attention of GPT-2 and of the Llama-architecture model at 16 x 1024 (12 heads of 64, causal) and of BERT-base at
+128 x 128 (12 heads of 64, a padding mask or none), with and without the models' attention dropout (0.1 for GPT-2 and
+BERT, none in Llama), under PyTorch's own choice and each backend forced with `torch.nn.attention.sdpa_kernel`.
+Prints ms per forward + backward (median of 20 after 5 warm-up calls, CUDA events) and TFLOP/s counting causal
+attention as half the score matrix (as FlashAttention's papers do); a backend that cannot run a shape says why.
+Used to see what the `fastest` rung's attention costs (a profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's
+kernels took 13.6 of 45 ms per step).
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {
+    "default": None,  # PyTorch's own choice
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+# name -> (batch, heads, tokens, head dim, causal, padding mask, dropout)
+SHAPES = {
+    "gpt2 (dropout 0.1)": (16, 12, 1024, 64, True, False, 0.1),
+    "gpt2/llama (no dropout)": (16, 12, 1024, 64, True, False, 0.0),
+    "bert, padded (dropout 0.1)": (128, 12, 128, 64, False, True, 0.1),
+    "bert, padded (no dropout)": (128, 12, 128, 64, False, True, 0.0),
+    "bert, no mask (dropout 0.1)": (128, 12, 128, 64, False, False, 0.1),
+}
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def measure(name: str, b: int, h: int, t: int, d: int, causal: bool, padded: bool, dropout: float) -> list[dict]:
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = None
+    if padded:  # SST-2-like lengths: each row keeps its first n keys (n from 8 to t), as BERT's padding mask does
+        keep = torch.arange(t, device="cuda") < torch.randint(8, t + 1, (b, 1, 1, 1), device="cuda")
+        mask = keep.expand(b, 1, t, t)
+    grad = torch.randn_like(q)
+    flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * 3.5  # the backward 2.5 times the forward
+
+    def step():
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+        torch.autograd.grad(y, (q, k, v), grad)
+
+    rows = []
+    for backend, sdp in BACKENDS.items():
+        row = {"shape": name, "backend": backend}
+        try:
+            if sdp is None:
+                row["ms"] = time_ms(step)
+            else:
+                with sdpa_kernel([sdp]):
+                    row["ms"] = time_ms(step)
+            row["tflops"] = flops / row["ms"] / 1e9
+        except RuntimeError as exc:
+            row["error"] = str(exc).splitlines()[0][:100]
+        rows.append(row)
+        ms = f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" if "ms" in row else row["error"]
+        print(f"{name:28s} {backend:10s} {ms}", flush=True)
+    return rows
+
+
+def main(out: str | None) -> None:
+    torch.manual_seed(0)
+    rows = [row for name, shape in SHAPES.items() for row in measure(name, *shape)]
+    if out:
+        with open(out, "w") as f:
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
