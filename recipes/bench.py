@@ -9,9 +9,6 @@ For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path us
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
 
-A stage whose run would repeat another's on a model (BERT's `fastest` is its `compiled`: the loss without logits
-applies to causal LMs only) is run once; its row shows that run, marked `fastest (= compiled)`.
-
 `--repeats N` runs each row N times, each run a fresh process, in rounds (every stage of a model once per round),
 as `runs/{model}-{stage}`, `runs/{model}-{stage}-r2`, ...; the row pools their steps and its 95 % intervals
 include how much the runs differ (`recipes/bench_report.py`). BERT's BF16 stages default to 3 runs on CUDA.
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -58,7 +54,6 @@ DEFAULT_DATA = REPO.parent / "shared" / "data"
 # model -> task, architecture, tokenizer (folder under <data_dir>/tokenizers, else hub id), shape flags
 _CAUSAL_LM = dict(
     task="wikitext2",
-    causal_lm=True,  # what the loss without logits applies to (BERT classifies: its own loss)
     tokenizer="gpt2",
     shape=["--block_size", "1024"],
     batch=16,
@@ -202,20 +197,6 @@ def repeats(name: str, stage: str, opts) -> int:
     if opts.repeats:
         return opts.repeats
     return 1 if opts.tiny else MODELS[name].get("repeats" if STAGES[stage].bf16 else "fp32_repeats", 1)
-
-
-def same_run_as(name: str, stage: str, stages: list[str]) -> str | None:
-    """The earlier stage in ``stages`` whose run ``stage``'s would repeat on model ``name``, or None: their settings
-    differ only in switches that do not apply to the model (the loss without logits on a model that is not a causal
-    LM) and in ``compile_min_steps``, which the bench sets to 0."""
-
-    def effective(s: str) -> dict:
-        settings = STAGES[s].settings() | {"compile_min_steps": 0}
-        if not MODELS[name].get("causal_lm"):
-            settings["fused_linear_cross_entropy"] = False
-        return settings
-
-    return next((other for other in stages[: stages.index(stage)] if effective(other) == effective(stage)), None)
 
 
 def model_batch(text: str) -> tuple[str, int]:
@@ -412,18 +393,12 @@ def main(argv=None) -> int:
         # Round by round, each stage once per round: a slow spell of the machine cannot fall on one stage's runs only.
         rounds = max(repeats(name, stage, opts) for stage in opts.stages)
         for repeat, stage, nproc in itertools.product(range(rounds), opts.stages, opts.nproc):
-            if repeat < repeats(name, stage, opts) and not same_run_as(name, stage, opts.stages):
+            if repeat < repeats(name, stage, opts):
                 runs.setdefault((name, stage, nproc), []).append(bench_run(name, stage, nproc, repeat, opts, out_dir))
-        for stage in opts.stages:  # a stage that would repeat another's run on this model shows that run
-            if other := same_run_as(name, stage, opts.stages):
-                print(f"  {name:5s} {stage:14s} the same run as {other} on this model: not run twice", flush=True)
     rows = []
-    for name, stage, nproc in itertools.product(opts.models, opts.stages, opts.nproc):
-        other = same_run_as(name, stage, opts.stages)
-        done = runs[(name, other or stage, nproc)]
+    for (name, _, _), done in runs.items():
         plains = [plain for _, plain in done]
-        row = row_from_runs(name, [metrics for metrics, _ in done], plains if all(plains) else None)
-        rows.append(dataclasses.replace(row, stage=stage, same_as=other) if other else row)
+        rows.append(row_from_runs(name, [metrics for metrics, _ in done], plains if all(plains) else None))
     add_ratios(rows)
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]

@@ -165,7 +165,6 @@ class BenchRow:
     runs: int = 1  # processes run one after another for this row (bench --repeats); the figures pool them
     timed_steps_ms: Runs | None = None  # per run, the steps after warm-up in order (the intervals come from them)
     plain_loop_timed_steps_ms: Runs | None = None
-    same_as: str | None = None  # this stage's run on this model would repeat that stage's: its figures are those
 
 
 def _backend(calls: dict, fallback: bool) -> str:
@@ -359,9 +358,8 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
         over = r.trainer_overhead_ci or (None, None)
         gpus = f" {r.world_size} |" if multi else ""
         scaling = f" {_scaling_text(r)} |" if multi else ""
-        same = f" (= {r.same_as})" if r.same_as else ""
         lines.append(
-            f"| {r.model} | {r.stage}{same}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
+            f"| {r.model} | {r.stage}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
             f"{_f(r.tokens_per_s, ',.0f')} | {_f(r.speedup_vs_baseline, '.2f')}× | "
             f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
             f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
@@ -385,7 +383,7 @@ def compilation_costs(rows: list[BenchRow]) -> list[str]:
     steps repay it against that row."""
     out = []
     for r in rows:
-        if not r.compiled or r.first_step_ms is None or r.step_time_ms_p50 is None or r.same_as:
+        if not r.compiled or r.first_step_ms is None or r.step_time_ms_p50 is None:
             continue
         eager = next(
             (e for e in rows if (e.model, e.stage, e.world_size) == (r.model, "torch_fused", r.world_size)), None

@@ -486,48 +486,6 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
     assert re.search(r"^\| gpt2 \| fused_full \| 1 \| .* \| – \|$", printed, re.M)
 
 
-def test_a_stage_that_would_repeat_another_s_run_on_a_model_shows_that_run(tmp_path, monkeypatch, capsys):
-    """On BERT (a classifier: the loss without logits does not apply) `fastest` is `compiled` with a threshold the
-    bench sets to 0: it is not run twice, and its row shows the compiled run, marked as such."""
-    assert [bench.same_run_as(m, "fastest", list(bench.STAGES)) for m in ("bert", "gpt2", "llama")] == [
-        "compiled",
-        None,
-        None,
-    ]
-    assert bench.same_run_as("bert", "fastest", ["fastest", "compiled"]) is None  # only an earlier stage stands in
-    launched = []
-
-    def fake_run(cmd, log, preload=False):
-        launched.append(log.name)
-        if cmd[1].endswith("plain_loop.py"):
-            steps = _steps(30.0, 40, seed=len(launched))
-            plain = {"step_time_ms": {"p50": float(np.median(steps))}, "steps_ms": steps, "warmup_steps": 0}
-            Path(cmd[2]).write_text(json.dumps(plain))
-            return
-        out = Path(cmd[cmd.index("--output_dir") + 1])
-        out.mkdir(parents=True, exist_ok=True)
-        stage = cmd[cmd.index("--stage") + 1]
-        metrics = _ddp_metrics(stage, _steps(30.0 if stage == "compiled" else 36.0, 40, len(launched)), 1)
-        metrics["run"] |= {"torch_compile": stage == "compiled", "first_step_ms": 20_000.0}
-        (out / METRICS_FILENAME).write_text(json.dumps(metrics))
-
-    monkeypatch.setattr(bench, "run", fake_run)
-    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: {})
-    flags = "--tiny --models bert --stages torch_fused compiled fastest --steps 4 --warmup 1 --batch bert=3"
-    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 0
-    assert launched == [
-        "bert-torch_fused.log",
-        "bert-torch_fused-plain.log",
-        "bert-compiled.log",
-        "bert-compiled-plain.log",
-    ]
-    printed = capsys.readouterr().out
-    assert "bert  fastest        the same run as compiled on this model: not run twice" in printed
-    compiled = re.search(r"^\| bert \| compiled \| (.*)$", printed, re.M).group(1)
-    assert re.search(r"^\| bert \| fastest \(= compiled\) \| (.*)$", printed, re.M).group(1) == compiled
-    assert printed.count("compilation ") == 1  # the compiled run's cost, said once
-
-
 def test_outputs_carry_the_world_size_and_scaling(tmp_path):
     rows = [
         row_from_metrics("gpt2", _ddp_metrics(stage, _steps(p50, 40, seed=30 + i), n))
