@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .kernels import norms
+from .kernels import attention, norms
 from .kernels.availability import environment
 from .kernels.norms import stock_class
 from .kernels.trace import APEX, TORCH
@@ -260,7 +260,7 @@ class Autotuner:
     def _decide(self, component: str, key: dict, prepare) -> Decision:
         parts = {"component": component, **environment_key(), **key}
         hit = self.cache.get(parts)
-        if hit is not None and hit.get("backend") in (APEX, TORCH):
+        if hit is not None and hit.get("backend") in (APEX, TORCH, *attention.BACKENDS):
             return Decision(
                 component, key, hit["backend"], hit.get("times_ms", {}), hit.get("parity_ok", {}), True, "cache"
             )
@@ -358,6 +358,28 @@ class Autotuner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # give back the timing copies of the parameters
         self.memo["optimizer"] = backend
+        return backend
+
+    # -- the attention backend -------------------------------------------------------------------------------
+    def choose_attention(self, call: attention.AttentionCall | None, blocked: str | None = None) -> str:
+        """The fastest SDPA backend for the model's attention ``call`` (see :func:`attention.capture`), timed on
+        its shapes, mask, dropout and scale; ``"torch"`` (PyTorch's own choice) when there is no call to time,
+        ``blocked`` says why not to time, or nothing beats it. Rank 0 decides for all ranks (every rank calls)."""
+        pinned = self._pinned_decision("attention", "attention", {})
+        if pinned is not None:
+            return pinned
+        if blocked is None and call is None:
+            blocked = "not timed: no SDPA call in the model's forward"
+        if blocked is None and call.device.type != "cuda" and self.timer is cuda_timer:
+            blocked = "not timed: CUDA events time CUDA only"
+        if blocked is not None:
+            self.decisions.append(Decision("attention", {}, attention.TORCH, reason=blocked))
+            backend = attention.TORCH
+        else:  # (a collective under DDP: every rank reaches its first training step)
+            backend = self.choose(
+                "attention", call.describe(), lambda: attention.probe(call), same_on_all_ranks=True
+            ).backend
+        self.memo["attention"] = backend
         return backend
 
     # -- the norms -------------------------------------------------------------------------------------------

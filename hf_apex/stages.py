@@ -4,8 +4,8 @@
 stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`` is an
 :class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
 four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
-the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds a loss that never holds the logits,
-and ``auto``, which times apex against torch on your GPU).
+the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds a loss that never holds the logits
+and the SDPA backend timed fastest on your GPU, and ``auto``, which times apex against torch on your GPU).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
@@ -35,6 +35,8 @@ class StageConfig:
             cross-entropy, the same maths; see `hf_apex.kernels.loss`); other models keep their loss.
         compile_min_steps: with `torch_compile`, a run of fewer optimizer steps runs eager instead (compilation
             would not pay). A default: a value of yours wins (see `OVERRIDABLE`).
+        attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
+            PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
     """
 
@@ -48,9 +50,11 @@ class StageConfig:
     autotune: bool = False
     fused_linear_cross_entropy: bool = False
     compile_min_steps: int | None = None
+    attention_backend: str | None = None
     tf32: bool = False
 
-    OVERRIDABLE = ("compile_min_steps",)  # thresholds, not switches: the stage's value is a default you may change
+    # not switches of the ladder but tuning: the stage's value is a default you may change
+    OVERRIDABLE = ("compile_min_steps", "attention_backend")
 
     def settings(self) -> dict:
         """The arguments this stage sets, by name."""
@@ -81,10 +85,11 @@ STAGES: dict[str, StageConfig] = {
         ),
         StageConfig(
             "fastest",
-            "compiled + a causal LM's loss without its logits (chunked LM head + cross-entropy)",
+            "compiled + a causal LM's loss without its logits + the fastest SDPA backend, timed on this GPU",
             **_TORCH_FUSED,
             torch_compile=True,
             fused_linear_cross_entropy=True,
+            attention_backend="fastest",
             # compilation took 21-29 s on an H200 and paid off against torch_fused after ~400 (Llama), ~460
             # (GPT-2) and ~2,150 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
             compile_min_steps=500,

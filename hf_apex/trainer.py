@@ -41,6 +41,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
+from .kernels.attention import capture as capture_attention
+from .kernels.attention import preferring
 from .kernels.availability import blocker, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
@@ -159,6 +161,8 @@ class ApexTrainer(Trainer):
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
+    _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
+    attention: str | None = None  # the SDPA backend put first for this run's steps (None: PyTorch's choice)
 
     def __init__(self, *args, **kwargs):
         # Decided before Trainer.__init__, which hands the compile backend to accelerate for good; on a copy of
@@ -186,8 +190,10 @@ class ApexTrainer(Trainer):
                 "(baseline, fused_adam, fused_adam_ln).",
                 "BF16" if self.args.bf16 else "FP16",
             )
-        if self.args.autotune:
+        if self.args.autotune or self.args.attention_backend == "fastest":
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
+        if self.args.attention_backend != "fastest":  # (decided when training starts)
+            self.attention = self.args.attention_backend
         if self.model_init is None:
             self._apply_model_switches(self.model)
         if self.args.apex_fused_norms and self.args.torch_compile:
@@ -212,6 +218,8 @@ class ApexTrainer(Trainer):
                 # Again: another trainer built on the same model may have rewired it its own way since __init__.
                 self._apply_model_switches(self.model)
             self._norms_to_tune = self._tunes_norms_in_step()
+            self._attention_to_tune = self.args.attention_backend == "fastest"
+            self.attention = None if self._attention_to_tune else self.args.attention_backend
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def _tunes_norms_in_step(self) -> bool:
@@ -234,8 +242,12 @@ class ApexTrainer(Trainer):
         if self._norms_to_tune:
             self._norms_to_tune = False
             self._choose_norms(self._prepare_inputs(inputs))
+        if self._attention_to_tune:
+            self._attention_to_tune = False
+            self.attention = self._choose_attention(self._prepare_inputs(inputs))
         try:
-            return super().training_step(model, inputs, *args, **kwargs)
+            with preferring(self.attention):  # (under torch.compile: the backend the graph is traced with)
+                return super().training_step(model, inputs, *args, **kwargs)
         except RuntimeError as error:
             if "find_unused_parameters" in str(error) and self.args.ddp_find_unused_parameters is False:
                 raise RuntimeError(
@@ -256,6 +268,22 @@ class ApexTrainer(Trainer):
         shape = next((tuple(v.shape) for k, v in inputs.items() if k == main and torch.is_tensor(v)), ())
         amp = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
         self.autotuner.choose_norms(raw, training_pass(raw, loss_fn), shape, amp)
+
+    def _choose_attention(self, inputs: dict) -> str:
+        """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""
+        if _fsdp_version(self.args) or self.is_deepspeed_enabled:  # a partial forward would strand gathered shards
+            return self.autotuner.choose_attention(None, blocked="not timed under FSDP or DeepSpeed")
+        raw = self.model  # unwrapped: eager, no DDP hooks
+
+        def forward():
+            with self.accelerator.autocast():
+                self.compute_loss(raw, dict(inputs))
+
+        return self.autotuner.choose_attention(capture_attention(forward))
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        with preferring(self.attention):
+            return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
         if resume_from_checkpoint is True:
@@ -372,6 +400,8 @@ class ApexTrainer(Trainer):
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
+        if self.args.attention_backend:
+            kernels["attention_backend"] = self.attention or "torch (PyTorch's own choice)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "lm_loss": self.loss_fusion,

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .stages import APEX_OPTIMIZERS, STAGES, get_stage
 
 
@@ -22,9 +23,10 @@ class ApexTrainingArguments(TrainingArguments):
         stage (`str` or `None`, *optional*, defaults to `None`):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
-            `apex_fused_norms`, `autotune`, `torch_compile`, `fused_linear_cross_entropy`, `tf32` and the AMP
-            flags; setting any of them to something the stage contradicts raises `ValueError`. `None` leaves every
-            switch to you.
+            `apex_fused_norms`, `autotune`, `torch_compile`, `fused_linear_cross_entropy`, `attention_backend`,
+            `tf32` and the AMP flags; setting any of them to something the stage contradicts raises `ValueError`
+            (`compile_min_steps` and `attention_backend` excepted: the stage's value is a default). `None` leaves
+            every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -64,6 +66,15 @@ class ApexTrainingArguments(TrainingArguments):
             matmuls on a vocabulary padded to a multiple of 64 with the padding masked out. Training forwards then
             return no logits; evaluation runs the stock forward. Another model, and any under FP16 autocast, keeps
             its loss: the metrics JSON's `lm_loss` says which (with a warning when you asked for it yourself).
+        attention_backend (`str` or `None`, *optional*, defaults to `None`):
+            The SDPA backend of the model's attention (transformers' `sdpa` implementation): `"flash"`, `"cudnn"`,
+            `"efficient"` or `"math"` first in SDPA's priority (inputs it cannot take fall back to the others), or
+            `"fastest"`: on the first training batch, the model's first SDPA call is recorded and every backend
+            that can run it is timed (forward and backward at its shapes, mask, dropout and scale) against
+            PyTorch's own choice, in turns; the fastest whose results match the math backend's wins, the decision
+            is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics JSON. Not
+            timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The `fastest` stage sets
+            `"fastest"`, which a value of yours overrides.
 
         > Parameters that control the stage metrics
 
@@ -97,8 +108,9 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
-    > `torch_compile`, `autotune`, `fused_linear_cross_entropy`, `tf32=False`); a value you set that the stage
-    > contradicts is a `ValueError`, except for `compile_min_steps`, a threshold whose stage value is a default.
+    > `torch_compile`, `autotune`, `fused_linear_cross_entropy`, `attention_backend`, `tf32=False`); a value you set
+    > that the stage contradicts is a `ValueError`, except for `compile_min_steps` and `attention_backend`, whose
+    > stage values are defaults.
     > Without a stage the `TrainingArguments` defaults apply, except the four above. An explicit `--optim` equal to
     > the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so a stage overrides it.
     """
@@ -161,6 +173,14 @@ class ApexTrainingArguments(TrainingArguments):
             "logits (same maths; vocabulary padded to x64 for the matmuls)."
         },
     )
+    attention_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "SDPA backend for the model's attention: one named first in SDPA's priority, or fastest (timed "
+            "on the first batch's attention, cached). None: PyTorch's choice. The fastest stage sets fastest.",
+            "choices": list(ATTENTION_CHOICES),
+        },
+    )
     autotune_cache: str | None = field(
         default=None,
         metadata={"help": "Autotune decision cache (default $HF_APEX_CACHE or ~/.cache/hf_apex/autotune.json)."},
@@ -197,6 +217,10 @@ class ApexTrainingArguments(TrainingArguments):
         if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         super().__post_init__()
+        if self.attention_backend not in (None, *ATTENTION_CHOICES):
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_CHOICES} or None, got {self.attention_backend!r}"
+            )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
         if self.metrics_warmup_steps < 0:

@@ -5,7 +5,8 @@
 `make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model,
 data, collator and shuffling; the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
 schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16),
-`torch.compile` (compiled, batches leave out an all-ones attention mask) and loss (`--fused_linear_cross_entropy`);
+`torch.compile` (compiled, batches leave out an all-ones attention mask), loss (`--fused_linear_cross_entropy`) and
+SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does);
 `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
 `--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
 step starts, CUDA events read at the end), and written with the losses to OUT.json.
@@ -24,6 +25,8 @@ from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import Autotuner, DecisionCache, training_pass
+from hf_apex.kernels.attention import capture as capture_attention
+from hf_apex.kernels.attention import preferring
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
@@ -49,7 +52,8 @@ def main(out_json: str, argv: list[str]) -> dict:
     model.to(device).train()
 
     # The Trainer's choices: apex kernels (autotuned or not), decay groups, optimizer, schedule, compile.
-    tuner = Autotuner(DecisionCache(args.autotune_cache)) if args.autotune else None
+    timed = args.autotune or args.attention_backend == "fastest"
+    tuner = Autotuner(DecisionCache(args.autotune_cache)) if timed else None
     if args.apex_fused_norms:
         rewire(model, chooser=tuner.choose_norm if tuner else None, compiled=args.torch_compile)
     if args.fused_linear_cross_entropy:
@@ -67,6 +71,7 @@ def main(out_json: str, argv: list[str]) -> dict:
     optimizer = opt_cls(groups, **kwargs)
     steps = args.max_steps
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.get_warmup_steps(steps), steps)
+    raw = model
     if args.torch_compile:  # as the Trainer does (through accelerate): compile the model, not the optimizer
         model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
 
@@ -88,21 +93,24 @@ def main(out_json: str, argv: list[str]) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+    batches = itertools.chain([first], batches)
+
+    def loss_fn():
+        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
+            return raw(**first).loss
+
     if tuner and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: norms timed on whole passes
-        first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-        batches = itertools.chain([first], batches)
-
-        def loss_fn():
-            with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
-                return model(**first).loss
-
         shape = tuple(first[model.main_input_name].shape)
         tuner.choose_norms(model, training_pass(model, loss_fn), shape, amp if args.bf16 or args.fp16 else None)
+    attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
+    if attention == "fastest":
+        attention = tuner.choose_attention(capture_attention(loss_fn))
     timer, losses = StepTimer(cuda), []
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         timer.start()
-        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
+        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16), preferring(attention):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
         if args.max_grad_norm > 0:

@@ -1,0 +1,165 @@
+"""Which of PyTorch's SDPA backends runs a model's attention.
+
+transformers' ``sdpa`` attention calls ``torch.nn.functional.scaled_dot_product_attention``, and PyTorch picks a
+backend (FlashAttention, cuDNN, memory-efficient, math) by a fixed priority and the inputs. The fastest one depends
+on the GPU and the shape: on an H200, GPT-2 124M at 16 x 1024 spent 13.6 of its 45 ms `fastest` step in cuDNN's
+attention kernels (benchmarks/h200-2026-12-01-fastest). ``attention_backend`` names one backend, or ``"fastest"``:
+:func:`capture` records the model's first SDPA call on a real batch and :func:`probe` times each backend that can
+run it (forward and backward, the same shapes, mask, dropout and scale) for the autotuner, which keeps the fastest
+whose results match the math backend's. :func:`preferring` then puts that backend first in SDPA's priority for the
+run's steps; inputs it cannot take fall back to the others. Every backend computes the same attention; with
+dropout, each draws its own masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
+
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+CHOICES = (*BACKENDS, "fastest")  # the values of ``attention_backend`` besides None (PyTorch's own choice)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """What a probe needs to replay a model's SDPA call (the tensors' shapes, not their values)."""
+
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    mask: torch.Tensor | None
+    dropout_p: float
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+
+    def describe(self) -> dict:
+        """The decision key: everything that makes one backend faster than another."""
+        mask = None if self.mask is None else {"shape": list(self.mask.shape), "dtype": str(self.mask.dtype)}
+        return {
+            "query": list(self.query),
+            "key": list(self.key),
+            "value": list(self.value),
+            "dtype": str(self.dtype),
+            "mask": mask,
+            "dropout_p": self.dropout_p,
+            "is_causal": self.is_causal,
+            "scale": self.scale,
+            "enable_gqa": self.enable_gqa,
+        }
+
+
+class _Seen(Exception):
+    """Raised by the capture once it holds the first call: the rest of the forward is not needed."""
+
+
+class _Capture(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.call: AttentionCall | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v, mask, dropout_p, is_causal, scale = _sdpa_args(*args, **kwargs)
+            self.call = AttentionCall(
+                tuple(q.shape),
+                tuple(k.shape),
+                tuple(v.shape),
+                q.dtype,
+                q.device,
+                None if mask is None else mask.detach().clone(),
+                float(dropout_p),
+                bool(is_causal),
+                scale,
+                bool(kwargs.get("enable_gqa", False)),
+            )
+            raise _Seen
+        return func(*args, **kwargs)
+
+
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale
+
+
+def capture(forward: Callable[[], object]) -> AttentionCall | None:
+    """Run ``forward`` (a model's forward on a real batch) until its first SDPA call and return that call; None when
+    the forward finishes without one (another attention implementation, or no attention). The forward runs without
+    gradients and leaves the RNG as it found it."""
+    mode = _Capture()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        try:
+            with mode:
+                forward()
+        except _Seen:
+            pass
+    return mode.call
+
+
+def preferring(backend: str | None) -> contextlib.AbstractContextManager:
+    """SDPA's backends with ``backend`` first, then the others (flash, cuDNN, efficient, math); nothing changes for
+    None or TORCH."""
+    if backend in (None, TORCH):
+        return contextlib.nullcontext()
+    if backend == "math":  # it runs every input, so it needs no fallback (and the CPU's choice ignores priority)
+        return sdpa_kernel([SDPBackend.MATH])
+    first = BACKENDS[backend]
+    return sdpa_kernel([first, *(b for b in BACKENDS.values() if b is not first)], set_priority=True)
+
+
+def probe(call: AttentionCall) -> tuple[dict[str, Callable[[], None]], Callable[[str], bool]]:
+    """``(candidates, parity)`` for the autotuner: one forward and backward of ``call``'s attention on random inputs
+    per backend that can run it (TORCH, PyTorch's own choice, always), and whether a backend's output and gradients
+    match the math backend's within the dtype's tolerance (without dropout, whose masks differ by backend)."""
+    from ..autotune import rel_err, tolerance
+
+    with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
+        q, k, v = (torch.randn(s, dtype=call.dtype, device=call.device) for s in (call.query, call.key, call.value))
+        grad_out = torch.randn(call.query[:-1] + call.value[-1:], dtype=call.dtype, device=call.device)
+
+    def run(backend: str | None, dropout_p: float):
+        inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        only = contextlib.nullcontext() if backend in (None, TORCH) else sdpa_kernel([BACKENDS[backend]])
+        with torch.enable_grad(), only:
+            out = F.scaled_dot_product_attention(
+                *inputs,
+                attn_mask=call.mask,
+                dropout_p=dropout_p,
+                is_causal=call.is_causal,
+                scale=call.scale,
+                enable_gqa=call.enable_gqa,
+            )
+            return out, torch.autograd.grad(out, inputs, grad_out)
+
+    candidates = {TORCH: lambda: run(TORCH, call.dropout_p)}
+    for name in BACKENDS:
+        try:
+            with warnings.catch_warnings():  # (PyTorch warns why a backend cannot run before it raises)
+                warnings.simplefilter("ignore", UserWarning)
+                run(name, call.dropout_p)  # can it run this call at all (shape, mask, dtype, device)?
+        except RuntimeError:
+            continue
+        candidates[name] = lambda name=name: run(name, call.dropout_p)
+
+    def parity(name: str) -> bool:
+        (out, grads), (ref, ref_grads) = run(name, 0.0), run("math", 0.0)
+        return all(rel_err(a, b) < tolerance(call.dtype) for a, b in zip([out, *grads], [ref, *ref_grads]))
+
+    return candidates, parity

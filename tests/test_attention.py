@@ -1,0 +1,153 @@
+"""attention_backend: the model's first SDPA call is captured, each backend that can run it is timed, the fastest
+whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py)."""
+
+import json
+
+import pytest
+import torch
+
+from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.autotune import Autotuner, DecisionCache
+from hf_apex.kernels import attention
+from hf_apex.measure.report import METRICS_FILENAME
+from tests.testing_utils import TokenDataset, tiny_inputs, tiny_model
+
+MATH_OP, CPU_FLASH_OP = "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def sdpa_ops(fn) -> set[str]:
+    """The SDPA implementations ``fn`` runs, as the profiler names them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name in (MATH_OP, CPU_FLASH_OP)}
+
+
+def fake_timer(ms: dict[str, float]):
+    def timer(fn, budget_s):
+        fn()
+        return ms[fn.backend]
+
+    return timer
+
+
+def test_capture_records_the_first_call_and_leaves_the_model_and_rng_alone():
+    model = tiny_model("gpt2").train()  # attention dropout 0.1, causal
+    inputs = tiny_inputs("gpt2")
+    rng = torch.get_rng_state()
+    call = attention.capture(lambda: model(**inputs, labels=inputs["input_ids"]).loss.backward())
+    assert torch.equal(torch.get_rng_state(), rng)  # the dropout masks of the real step stay as they were
+    assert all(p.grad is None for p in model.parameters())  # stopped at the first attention, without gradients
+    heads, dim = model.config.n_head, model.config.n_embd // model.config.n_head
+    assert call.query == call.key == call.value == (2, heads, 16, dim)
+    assert call.dtype == torch.float32 and call.is_causal and call.mask is None
+    assert call.dropout_p == pytest.approx(model.config.attn_pdrop)
+    model.eval()
+    assert attention.capture(lambda: model(**inputs)).dropout_p == 0.0  # what an evaluation step would run
+
+    bert = tiny_model("bert").train()
+    padded = tiny_inputs("bert")
+    padded["attention_mask"][0, 10:] = 0
+    masked = attention.capture(lambda: bert(**padded))
+    assert masked.mask is not None and not masked.is_causal and masked.describe()["mask"]["shape"][0] == 2
+
+    eager = tiny_model("gpt2", attn_implementation="eager")
+    assert attention.capture(lambda: eager(**inputs)) is None  # no SDPA call: nothing to choose
+
+
+def test_probe_offers_the_backends_that_run_the_call_and_checks_them_against_math():
+    model = tiny_model("llama").train()  # no attention dropout: the CPU flash kernel can run it
+    call = attention.capture(lambda: model(**tiny_inputs("llama")))
+    candidates, parity = attention.probe(call)
+    assert list(candidates) == ["torch", "flash", "math"]  # no CUDA here: no cuDNN, no memory-efficient kernel
+    assert parity("flash") and parity("math")
+    assert sdpa_ops(candidates["flash"]) == {CPU_FLASH_OP} and sdpa_ops(candidates["math"]) == {MATH_OP}
+    dropout = attention.capture(lambda: tiny_model("gpt2").train()(**tiny_inputs("gpt2")))
+    assert list(attention.probe(dropout)[0]) == ["torch", "math"]  # CPU flash takes no dropout
+
+
+def test_the_autotuner_keeps_the_fastest_backend_and_caches_it(tmp_path):
+    call = attention.capture(lambda: tiny_model("llama").train()(**tiny_inputs("llama")))
+    cache = tmp_path / "cache.json"
+    tuner = Autotuner(DecisionCache(cache), timer=fake_timer({"torch": 3.0, "flash": 2.0, "math": 1.0}))
+    assert tuner.choose_attention(call) == "math" and tuner.state() == {"attention": "math"}
+    (decision,) = tuner.report()
+    assert decision["component"] == "attention" and decision["key"]["is_causal"] and not decision["cached"]
+    assert decision["times_ms"] == {"torch": 3.0, "flash": 2.0, "math": 1.0}
+    again = Autotuner(DecisionCache(cache), timer=fake_timer({}))  # would fail if it timed anything
+    assert again.choose_attention(call) == "math" and again.report()[0]["cached"]
+    # Nothing to time: PyTorch's own choice, with the reason.
+    plain = Autotuner(DecisionCache(tmp_path / "other.json"))
+    assert plain.choose_attention(call) == "torch"  # CUDA events cannot time a CPU call
+    assert plain.report()[0]["reason"] == "not timed: CUDA events time CUDA only"
+    assert Autotuner(DecisionCache(tmp_path / "3.json")).choose_attention(None) == "torch"
+
+
+def test_preferring_puts_the_backend_first_and_falls_back_where_it_cannot_run():
+    model = tiny_model("llama").train()
+    inputs = tiny_inputs("llama")
+    assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}  # PyTorch's choice here
+    with attention.preferring("math"):
+        assert sdpa_ops(lambda: model(**inputs)) == {MATH_OP}
+    with attention.preferring("efficient"):  # not on a CPU: the next in line runs
+        assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}
+    with attention.preferring(None), attention.preferring("torch"):
+        assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}
+    assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}  # and nothing is left changed
+
+
+def test_the_fastest_stage_times_the_attention_and_a_value_of_yours_wins(tmp_path):
+    assert ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True).attention_backend == (
+        "fastest"
+    )
+    mine = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, attention_backend="flash")
+    assert mine.attention_backend == "flash"
+    assert ApexTrainingArguments(output_dir=str(tmp_path), stage="compiled", use_cpu=True).attention_backend is None
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        ApexTrainingArguments(output_dir=str(tmp_path), attention_backend="flash3", use_cpu=True)
+
+
+def train(tmp_path, name: str, **kw):
+    """A tiny Llama trained 4 steps; then the SDPA kernels one more training step and an evaluation run."""
+    args = ApexTrainingArguments(
+        output_dir=str(tmp_path / name),
+        use_cpu=True,
+        report_to="none",
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        seed=0,
+        autotune_cache=str(tmp_path / "cache.json"),
+        **kw,
+    )
+    data = TokenDataset()
+    trainer = ApexTrainer(model=tiny_model("llama").train(), args=args, train_dataset=data, eval_dataset=data)
+    if trainer.autotuner is not None:  # CUDA events cannot time CPU work: a timer that makes math the fastest
+        trainer.autotuner.timer = fake_timer({"torch": 3.0, "flash": 2.0, "math": 1.0})
+    trainer.train()
+    metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+    batch = trainer.data_collator([data[i] for i in range(4)])
+    step = sdpa_ops(lambda: trainer.training_step(trainer.model_wrapped, batch))
+    return trainer, step, sdpa_ops(trainer.evaluate), [h["loss"] for h in metrics["loss_history"]], metrics
+
+
+def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
+    _, step, evaluation, losses, metrics = train(tmp_path, "default")
+    assert step == evaluation == {CPU_FLASH_OP} and "attention_backend" not in metrics["kernels"]
+    trainer, step, evaluation, fastest_losses, metrics = train(tmp_path, "fastest", attention_backend="fastest")
+    assert trainer.attention == "math" and metrics["kernels"]["attention_backend"] == "math"
+    assert step == evaluation == {MATH_OP}
+    decision = next(d for d in metrics["autotune"] if d["component"] == "attention")
+    assert decision["backend"] == "math" and decision["cached"] is False
+    assert fastest_losses == pytest.approx(losses, rel=1e-5)  # the same attention, another kernel
+    _, step, evaluation, named_losses, metrics = train(tmp_path, "named", attention_backend="math")
+    assert step == evaluation == {MATH_OP} and metrics["kernels"]["attention_backend"] == "math"
+    assert metrics["autotune"] == [] and named_losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path):
+    trainer, step, evaluation, _, metrics = train(tmp_path, "c", attention_backend="fastest", torch_compile=True)
+    assert metrics["run"]["torch_compile"] and trainer.attention == "math"
+    assert step == evaluation == {MATH_OP}  # PyTorch's own choice here is the flash kernel (test above)
