@@ -9,6 +9,9 @@ For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path us
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
 It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
 
+A run that fails is reported where it happens, with the end of its log, and left out of the table; the other runs
+go on, and the bench exits with status 1 naming the failed ones (`--skip_existing` then reruns only those).
+
 `--repeats N` runs each row N times, each run a fresh process, in rounds (every stage of a model once per round),
 as `runs/{model}-{stage}`, `runs/{model}-{stage}-r2`, ...; the row pools their steps and its 95 % intervals
 include how much the runs differ (`recipes/bench_report.py`). BERT's BF16 stages default to 3 runs on CUDA.
@@ -298,8 +301,12 @@ def _run_script(script: str, args: list[str], log: str) -> None:
         atexit._run_exitfuncs()  # as at interpreter exit (a forked child leaves through os._exit)
 
 
+class RunFailed(Exception):
+    """A run exited with an error; the message holds the end of its log."""
+
+
 def run(cmd: list[str], log: Path, preload: bool = False) -> None:
-    """Run ``cmd`` (a new process) with its output in ``log``; stop the bench if it fails. ``preload``: a
+    """Run ``cmd`` (a new process) with its output in ``log``; :class:`RunFailed` if it fails. ``preload``: a
     ``python script.py ...`` command starts from the fork server, which has imported torch, transformers and the
     recipes once for all runs (on an H200 machine a run spent ~14 s before it touched the GPU, for 5-25 s of
     training)."""
@@ -316,7 +323,7 @@ def run(cmd: list[str], log: Path, preload: bool = False) -> None:
             )
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise SystemExit(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}")
+        raise RunFailed(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}")
 
 
 def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Path) -> tuple[dict, dict | None]:
@@ -389,19 +396,30 @@ def main(argv=None) -> int:
         multiprocessing.set_forkserver_preload(["plain_loop"])  # (and through it finetune, torch, transformers)
     out_dir = Path(opts.out_dir)
     runs: dict[tuple, list] = {}  # (model, stage, nproc) -> [(metrics, plain-loop result or None)] in run order
+    failed = []  # a failed run is reported and left out; the others still run (--skip_existing keeps them)
     for name in opts.models:
         # Round by round, each stage once per round: a slow spell of the machine cannot fall on one stage's runs only.
         rounds = max(repeats(name, stage, opts) for stage in opts.stages)
         for repeat, stage, nproc in itertools.product(range(rounds), opts.stages, opts.nproc):
             if repeat < repeats(name, stage, opts):
-                runs.setdefault((name, stage, nproc), []).append(bench_run(name, stage, nproc, repeat, opts, out_dir))
+                try:
+                    done = bench_run(name, stage, nproc, repeat, opts, out_dir)
+                except RunFailed as exc:
+                    print(exc, flush=True)
+                    failed.append(run_name(name, stage, nproc, repeat))
+                    continue
+                runs.setdefault((name, stage, nproc), []).append(done)
     rows = []
     for (name, _, _), done in runs.items():
         plains = [plain for _, plain in done]
         rows.append(row_from_runs(name, [metrics for metrics, _ in done], plains if all(plains) else None))
+    if not rows:
+        print(f"\nbench: every run failed ({', '.join(failed)}): no table")
+        return 1
     add_ratios(rows)
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]
+    config["failed_runs"] = failed
     config["command"] = " ".join(
         ["python", "recipes/bench.py", *(portable_path(a) if a.startswith("/") else a for a in args)]
     )
@@ -410,6 +428,9 @@ def main(argv=None) -> int:
     print("\nwritten: " + ", ".join(portable_path(p) for p in paths.values()))
     if "png" not in paths:
         print("no chart: install matplotlib (pip install 'hf_apex[plot]') for results.png")
+    if failed:
+        print(f"\nbench: {len(failed)} run(s) failed and are left out of the table: {', '.join(failed)}")
+        return 1
     return 0
 
 

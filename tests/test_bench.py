@@ -486,6 +486,36 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
     assert re.search(r"^\| gpt2 \| fused_full \| 1 \| .* \| – \|$", printed, re.M)
 
 
+def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    launched = []
+
+    def fake_run(cmd, log, preload=False):
+        launched.append(log.name)
+        if log.name == "gpt2-fused_full.log":
+            raise bench.RunFailed(f"bench: ... failed (exit 1); log {log}:\nCUDA error: out of memory")
+        if cmd[1].endswith("plain_loop.py"):
+            steps = _steps(38.0, 40, seed=1)
+            plain = {"step_time_ms": {"p50": float(np.median(steps))}, "steps_ms": steps, "warmup_steps": 0}
+            Path(cmd[2]).write_text(json.dumps(plain))
+            return
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        stage = cmd[cmd.index("--stage") + 1]
+        (out / METRICS_FILENAME).write_text(json.dumps(_ddp_metrics(stage, _steps(40.0, 40, 2), 1)))
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    written = {}
+    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: written.update(config) or {})
+    flags = "--tiny --models gpt2 --stages baseline fused_full auto --steps 4 --warmup 1 --batch gpt2=3"
+    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 1
+    assert "gpt2-auto.log" in launched and "gpt2-fused_full-plain.log" not in launched  # on after the failure
+    printed = capsys.readouterr().out
+    assert "CUDA error: out of memory" in printed  # the failed run's log tail, where it happened
+    assert re.search(r"^\| gpt2 \| auto \|", printed, re.M) and not re.search(r"^\| gpt2 \| fused_full", printed, re.M)
+    assert "bench: 1 run(s) failed and are left out of the table: gpt2-fused_full" in printed
+    assert written["failed_runs"] == ["gpt2-fused_full"]
+
+
 def test_outputs_carry_the_world_size_and_scaling(tmp_path):
     rows = [
         row_from_metrics("gpt2", _ddp_metrics(stage, _steps(p50, 40, seed=30 + i), n))
