@@ -80,6 +80,10 @@ def test_the_autotuner_keeps_the_fastest_backend_and_caches_it(tmp_path):
     assert plain.choose_attention(call) == "torch"  # CUDA events cannot time a CPU call
     assert plain.report()[0]["reason"] == "not timed: CUDA events time CUDA only"
     assert Autotuner(DecisionCache(tmp_path / "3.json")).choose_attention(None) == "torch"
+    # A resumed run keeps its checkpoint's decision (Autotuner.state() is saved with each checkpoint).
+    resumed = Autotuner(DecisionCache(tmp_path / "4.json"), timer=fake_timer({}))
+    resumed.begin_run(pinned={"attention": "flash"})
+    assert resumed.choose_attention(call) == "flash" and resumed.report()[0]["reason"] == "resumed checkpoint"
 
 
 def test_preferring_puts_the_backend_first_and_falls_back_where_it_cannot_run():
