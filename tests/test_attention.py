@@ -65,6 +65,35 @@ def test_probe_offers_the_backends_that_run_the_call_and_checks_them_against_mat
     assert list(attention.probe(dropout)[0]) == ["torch", "math"]  # CPU flash takes no dropout
 
 
+def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):
+    call = attention.AttentionCall(
+        (2, 4, 64, 32),
+        (2, 4, 64, 32),
+        (2, 4, 64, 32),
+        torch.bfloat16,
+        torch.device("cpu"),
+        None,
+        0.0,
+        True,
+        None,
+        False,
+    )
+    assert attention.probe(call)[1]("flash")  # a BF16 kernel against the FP32 reference: within tolerance
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def off_unless_math(*args, **kwargs):  # every kernel but math's 3 % off
+        out = real(*args, **kwargs)
+        return (
+            out
+            if torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+            else out * 1.03
+        )
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", off_unless_math)
+    _, parity = attention.probe(call)
+    assert not parity("flash") and parity("math")
+
+
 def test_the_autotuner_keeps_the_fastest_backend_and_caches_it(tmp_path):
     call = attention.capture(lambda: tiny_model("llama").train()(**tiny_inputs("llama")))
     cache = tmp_path / "cache.json"
