@@ -6,8 +6,8 @@ on the GPU and the shape: on an H200, GPT-2 124M at 16 x 1024 spent 13.6 of its 
 attention kernels (benchmarks/h200-2026-12-01-fastest). ``attention_backend`` names one backend, or ``"fastest"``:
 :func:`capture` records the model's first SDPA call on a real batch and :func:`probe` times each backend that can
 run it (forward and backward, the same shapes, mask, dropout and scale) for the autotuner, which keeps the fastest
-whose results match the math backend's. :func:`preferring` then puts that backend first in SDPA's priority for the
-run's steps; inputs it cannot take fall back to the others. Every backend computes the same attention; with
+whose results match the math backend's in FP32. :func:`preferring` then puts that backend first in SDPA's priority
+for the run's steps; inputs it cannot take fall back to the others. Every backend computes the same attention; with
 dropout, each draws its own masks.
 """
 
