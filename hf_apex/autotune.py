@@ -7,7 +7,9 @@ under autocast apex's norms return the autocast dtype where torch's return FP32,
 less and the residual stream is half the bytes, which only a whole step shows (BERT-base 128 × 128 on an H200: a
 single LayerNorm is faster in torch, the step faster with apex). A norm that meets no such decision (``rewire``
 with a chooser, outside the trainer) is timed alone on its first training call (class, hidden size, input dtype,
-autocast dtype, token count). The disk cache (:class:`DecisionCache`) is consulted before
+autocast dtype, token count). With ``attention_backend="fastest"`` it also chooses the SDPA backend of the model's
+attention (:meth:`Autotuner.choose_attention`, :func:`attention_probe`): PyTorch's own choice is the reference there,
+and the math backend in FP32 the parity check. The disk cache (:class:`DecisionCache`) is consulted before
 anything is measured; its key adds the GPU and software versions and, for norms, the token count rounded up to a
 power of two, so the next run with the same setup starts with the answer. torch's op is the reference: a backend
 whose results differ from it beyond the tolerance of the dtype is never chosen. Every decision (times, parity,
@@ -17,6 +19,7 @@ whether it came from the cache or a checkpoint) is logged and lands in the run's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -24,10 +27,12 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from . import distributed
 from .kernels import attention, norms
@@ -118,6 +123,49 @@ def norm_probe(module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None
         return all(rel_err(a, b) < tol for a, b in zip([y, *grads], [ref_y, *ref_grads]))
 
     return fwd_bwd, parity
+
+
+def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[], None]], Callable[[str], bool]]:
+    """``(candidates, parity)`` for the autotuner: one forward and backward of ``call``'s attention on random inputs
+    per backend that can run it (TORCH, PyTorch's own choice, always), and whether a backend's output and gradients
+    match the math backend's in FP32 within the tolerance of ``call``'s dtype (without dropout, whose masks differ
+    by backend)."""
+    with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
+        q, k, v = (torch.randn(s, dtype=call.dtype, device=call.device) for s in (call.query, call.key, call.value))
+        grad_out = torch.randn(call.query[:-1] + call.value[-1:], dtype=call.dtype, device=call.device)
+
+    def run(backend: str, dropout_p: float, dtype: torch.dtype | None = None):
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype) if t.is_floating_point() else t)
+        inputs = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
+        mask = None if call.mask is None else cast(call.mask)
+        only = contextlib.nullcontext() if backend == TORCH else sdpa_kernel([attention.BACKENDS[backend]])
+        with torch.enable_grad(), only:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *inputs,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=call.is_causal,
+                scale=call.scale,
+                enable_gqa=call.enable_gqa,
+            )
+            return out, torch.autograd.grad(out, inputs, cast(grad_out))
+
+    candidates = {TORCH: lambda: run(TORCH, call.dropout_p)}
+    for name in attention.BACKENDS:
+        try:
+            with warnings.catch_warnings():  # (PyTorch warns why a backend cannot run before it raises)
+                warnings.simplefilter("ignore", UserWarning)
+                run(name, call.dropout_p)  # can it run this call at all (shape, mask, dtype, device)?
+        except RuntimeError:
+            continue
+        candidates[name] = lambda name=name: run(name, call.dropout_p)
+
+    def parity(name: str) -> bool:
+        # The reference in FP32: two BF16 kernels can each be right and still differ by more than one rounding.
+        (out, grads), (ref, ref_grads) = run(name, 0.0), run("math", 0.0, torch.float32)
+        return all(rel_err(a, b) < tolerance(call.dtype) for a, b in zip([out, *grads], [ref, *ref_grads]))
+
+    return candidates, parity
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -377,7 +425,7 @@ class Autotuner:
             backend = attention.TORCH
         else:  # (a collective under DDP: every rank reaches its first training step)
             backend = self.choose(
-                "attention", call.describe(), lambda: attention.probe(call), same_on_all_ranks=True
+                "attention", call.describe(), lambda: attention_probe(call), same_on_all_ranks=True
             ).backend
         self.memo["attention"] = backend
         return backend

@@ -1,5 +1,6 @@
 """attention_backend: the model's first SDPA call is captured, each backend that can run it is timed, the fastest
-whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py)."""
+whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py; the timing
+probe: hf_apex/autotune.py)."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
-from hf_apex.autotune import Autotuner, DecisionCache
+from hf_apex.autotune import Autotuner, DecisionCache, attention_probe
 from hf_apex.kernels import attention
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import TokenDataset, tiny_inputs, tiny_model
@@ -57,12 +58,12 @@ def test_capture_records_the_first_call_and_leaves_the_model_and_rng_alone():
 def test_probe_offers_the_backends_that_run_the_call_and_checks_them_against_math():
     model = tiny_model("llama").train()  # no attention dropout: the CPU flash kernel can run it
     call = attention.capture(lambda: model(**tiny_inputs("llama")))
-    candidates, parity = attention.probe(call)
+    candidates, parity = attention_probe(call)
     assert list(candidates) == ["torch", "flash", "math"]  # no CUDA here: no cuDNN, no memory-efficient kernel
     assert parity("flash") and parity("math")
     assert sdpa_ops(candidates["flash"]) == {CPU_FLASH_OP} and sdpa_ops(candidates["math"]) == {MATH_OP}
     dropout = attention.capture(lambda: tiny_model("gpt2").train()(**tiny_inputs("gpt2")))
-    assert list(attention.probe(dropout)[0]) == ["torch", "math"]  # CPU flash takes no dropout
+    assert list(attention_probe(dropout)[0]) == ["torch", "math"]  # CPU flash takes no dropout
 
 
 def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):
@@ -78,7 +79,7 @@ def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):
         None,
         False,
     )
-    assert attention.probe(call)[1]("flash")  # a BF16 kernel against the FP32 reference: within tolerance
+    assert attention_probe(call)[1]("flash")  # a BF16 kernel against the FP32 reference: within tolerance
     real = torch.nn.functional.scaled_dot_product_attention
 
     def off_unless_math(*args, **kwargs):  # every kernel but math's 3 % off
@@ -90,7 +91,7 @@ def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):
         )
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", off_unless_math)
-    _, parity = attention.probe(call)
+    _, parity = attention_probe(call)
     assert not parity("flash") and parity("math")
 
 

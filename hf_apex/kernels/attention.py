@@ -4,18 +4,17 @@ transformers' ``sdpa`` attention calls ``torch.nn.functional.scaled_dot_product_
 backend (FlashAttention, cuDNN, memory-efficient, math) by a fixed priority and the inputs. The fastest one depends
 on the GPU and the shape: on an H200, GPT-2 124M at 16 x 1024 spent 13.6 of its 45 ms `fastest` step in cuDNN's
 attention kernels (benchmarks/h200-2026-12-01-fastest). ``attention_backend`` names one backend, or ``"fastest"``:
-:func:`capture` records the model's first SDPA call on a real batch and :func:`probe` times each backend that can
-run it (forward and backward, the same shapes, mask, dropout and scale) for the autotuner, which keeps the fastest
-whose results match the math backend's in FP32. :func:`preferring` then puts that backend first in SDPA's priority
-for the run's steps; inputs it cannot take fall back to the others. Every backend computes the same attention; with
-dropout, each draws its own masks.
+:func:`capture` records the model's first SDPA call on a real batch and ``hf_apex.autotune.attention_probe`` times
+each backend that can run it (forward and backward, the same shapes, mask, dropout and scale) for the autotuner,
+which keeps the fastest whose results match the math backend's in FP32. :func:`preferring` then puts that backend
+first in SDPA's priority for the run's steps; inputs it cannot take fall back to the others. Every backend computes
+the same attention; with dropout, each draws its own masks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -122,48 +121,3 @@ def preferring(backend: str | None) -> contextlib.AbstractContextManager:
         return sdpa_kernel([SDPBackend.MATH])
     first = BACKENDS[backend]
     return sdpa_kernel([first, *(b for b in BACKENDS.values() if b is not first)], set_priority=True)
-
-
-def probe(call: AttentionCall) -> tuple[dict[str, Callable[[], None]], Callable[[str], bool]]:
-    """``(candidates, parity)`` for the autotuner: one forward and backward of ``call``'s attention on random inputs
-    per backend that can run it (TORCH, PyTorch's own choice, always), and whether a backend's output and gradients
-    match the math backend's in FP32 within the tolerance of ``call``'s dtype (without dropout, whose masks differ
-    by backend)."""
-    from ..autotune import rel_err, tolerance
-
-    with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
-        q, k, v = (torch.randn(s, dtype=call.dtype, device=call.device) for s in (call.query, call.key, call.value))
-        grad_out = torch.randn(call.query[:-1] + call.value[-1:], dtype=call.dtype, device=call.device)
-
-    def run(backend: str | None, dropout_p: float, dtype: torch.dtype | None = None):
-        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype) if t.is_floating_point() else t)
-        inputs = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
-        mask = None if call.mask is None else cast(call.mask)
-        only = contextlib.nullcontext() if backend in (None, TORCH) else sdpa_kernel([BACKENDS[backend]])
-        with torch.enable_grad(), only:
-            out = F.scaled_dot_product_attention(
-                *inputs,
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                is_causal=call.is_causal,
-                scale=call.scale,
-                enable_gqa=call.enable_gqa,
-            )
-            return out, torch.autograd.grad(out, inputs, cast(grad_out))
-
-    candidates = {TORCH: lambda: run(TORCH, call.dropout_p)}
-    for name in BACKENDS:
-        try:
-            with warnings.catch_warnings():  # (PyTorch warns why a backend cannot run before it raises)
-                warnings.simplefilter("ignore", UserWarning)
-                run(name, call.dropout_p)  # can it run this call at all (shape, mask, dtype, device)?
-        except RuntimeError:
-            continue
-        candidates[name] = lambda name=name: run(name, call.dropout_p)
-
-    def parity(name: str) -> bool:
-        # The reference in FP32: two BF16 kernels can each be right and still differ by more than one rounding.
-        (out, grads), (ref, ref_grads) = run(name, 0.0), run("math", 0.0, torch.float32)
-        return all(rel_err(a, b) < tolerance(call.dtype) for a, b in zip([out, *grads], [ref, *ref_grads]))
-
-    return candidates, parity
