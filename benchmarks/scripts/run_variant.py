@@ -1,8 +1,9 @@
 """One bench-shaped run through recipes/finetune.py with extra flags; prints a one-line summary and appends it, with
-the per-step times, to $OUT/ddp_variants.jsonl (the run's log: $OUT/ddp_logs/NAME.log).
-usage: OUT=<dir> [MODEL=bert|gpt2|llama] python benchmarks/scripts/ddp_variant.py NAME NPROC STAGE STEPS [flags...]
-MODEL (default gpt2) picks `make bench`'s model and shape. Flags after STEPS override the bench's (the last wins),
-e.g. `--torch_compile_mode reduce-overhead` or `--config_overrides ...`. Environment variables pass through."""
+the per-step times, to $OUT/variants.jsonl (the run's log: $OUT/variant_logs/NAME.log).
+usage: OUT=<dir> [MODEL=bert|gpt2|llama] python benchmarks/scripts/run_variant.py NAME NPROC STAGE STEPS [flags...]
+MODEL (default gpt2) picks `make bench`'s model and shape, on the data in .deps/data; 10 warm-up steps, then STEPS.
+Flags after STEPS override the bench's (the last wins; for Llama, a --config_overrides replaces the bench's), e.g.
+`--torch_compile_mode reduce-overhead` or `--attention_backend flash`. Environment variables pass through."""
 
 import json
 import os
@@ -18,12 +19,12 @@ import bench  # noqa: E402
 name, nproc, stage, steps, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 opts = bench.parse_args(["--data_dir", ".deps/data", "--nproc", str(nproc), "--steps", str(steps)])
 opts.warmup, opts.tiny = 10, False
-out = Path(tempfile.gettempdir()) / "ddpv" / name
+out = Path(tempfile.gettempdir()) / "variants" / name
 flags = bench.finetune_args(os.environ.get("MODEL", "gpt2"), stage, opts, out) + extra
 launcher = [sys.executable] + (
     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
 )
-log = Path(os.environ["OUT"]) / "ddp_logs" / f"{name}.log"
+log = Path(os.environ["OUT"]) / "variant_logs" / f"{name}.log"
 log.parent.mkdir(parents=True, exist_ok=True)
 t0 = time.time()
 with log.open("w") as f:
@@ -48,6 +49,6 @@ if m.is_file():
         loss_history=d.get("loss_history"),
         mem_reserved=d.get("peak_memory_reserved_gib"),
     )
-with open(Path(os.environ["OUT"]) / "ddp_variants.jsonl", "a") as f:
+with open(Path(os.environ["OUT"]) / "variants.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
 print({k: v for k, v in row.items() if k not in ("steps_ms", "loss_history")}, flush=True)
