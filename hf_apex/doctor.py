@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .kernels import attention
 from .kernels.availability import EXTENSIONS, blocker, environment, extension_error, fix_for, is_apex_available
 
 
@@ -96,6 +97,8 @@ def collect(proof: bool = True) -> dict:
         else {},
         "backends": _backends(),
     }
+    if proof:  # informational: what --attention_backend can put first here (not an apex problem either way)
+        report["attention_backends"] = attention.runnable("cuda" if torch.cuda.is_available() else "cpu")
     problems = [f"{c}: {b['why']}" for c, b in report["backends"].items() if b["backend"] != "apex"]
     if proof and all(b["backend"] == "apex" for b in report["backends"].values()):
         try:
@@ -133,6 +136,10 @@ def format_report(report: dict) -> str:
     lines.append("  backends")
     for component, b in report["backends"].items():
         lines.append(f"    {component:<12}{b['backend']:<10}{b['why']}")
+    if "attention_backends" in report:
+        lines.append("  SDPA backends (--attention_backend; a causal forward + backward ran, or why not)")
+        for name, status in report["attention_backends"].items():
+            lines.append(f"    {name:<12}{status}")
     proof = report.get("runtime_proof")
     if proof is not None:
         lines.append("  runtime proof (torch.profiler, one norm fwd+bwd and one FusedAdam step)")

@@ -15,6 +15,9 @@ def test_doctor_without_a_gpu_says_so_and_strict_fails(capsys, monkeypatch):
     assert {b["backend"] for b in report["backends"].values()} == {"fallback"}
     assert all("no CUDA GPU" in b["why"] for b in report["backends"].values())
     assert report["torch"] == torch.__version__ and "transformers" in report
+    # What --attention_backend can put first here: ran a causal forward + backward, or why not.
+    cuda_only = {"cudnn": "CUDA only", "efficient": "CUDA only"}
+    assert report["attention_backends"] == {"flash": "ok", **cuda_only, "math": "ok"}
     assert doctor.main(["--strict"]) == 1
     text = capsys.readouterr().out
     assert "NOT OK" in text and "GPU            none: no CUDA GPU is visible" in text and "NVIDIA GPUs only" in text

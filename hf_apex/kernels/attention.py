@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -121,3 +122,25 @@ def preferring(backend: str | None) -> contextlib.AbstractContextManager:
         return sdpa_kernel([SDPBackend.MATH])
     first = BACKENDS[backend]
     return sdpa_kernel([first, *(b for b in BACKENDS.values() if b is not first)], set_priority=True)
+
+
+def runnable(device: torch.device | str) -> dict[str, str]:
+    """Which SDPA backends run a causal training call (forward and backward, 2 x 4 heads x 128 tokens x 64, BF16 on
+    CUDA, FP32 elsewhere, no dropout) on ``device``: ``"ok"``, or why not."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {}
+    for name, backend in BACKENDS.items():
+        if device.type != "cuda" and name in ("cudnn", "efficient"):
+            out[name] = "CUDA only"
+            continue
+        q, k, v = (torch.randn(2, 4, 128, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        with warnings.catch_warnings(record=True) as seen, sdpa_kernel([backend]):
+            warnings.simplefilter("always", UserWarning)  # PyTorch says why a backend cannot run, then raises
+            try:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                out[name] = "ok"
+            except RuntimeError as exc:
+                why = [str(w.message).split(" (Triggered internally")[0] for w in seen]
+                out[name] = "; ".join(w for w in why if not w.endswith("kernel not used because:")) or str(exc)
+    return out
