@@ -162,7 +162,7 @@ class ApexTrainer(Trainer):
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
     _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
-    attention: str | None = None  # the SDPA backend put first for this run's steps (None: PyTorch's choice)
+    sdpa_backend: str | None = None  # the SDPA backend put first for this run's steps (None: PyTorch's choice)
 
     def __init__(self, *args, **kwargs):
         # Decided before Trainer.__init__, which hands the compile backend to accelerate for good; on a copy of
@@ -193,7 +193,7 @@ class ApexTrainer(Trainer):
         if self.args.autotune or self.args.attention_backend == "fastest":
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
         if self.args.attention_backend != "fastest":  # (decided when training starts)
-            self.attention = self.args.attention_backend
+            self.sdpa_backend = self.args.attention_backend
         if self.model_init is None:
             self._apply_model_switches(self.model)
         if self.args.apex_fused_norms and self.args.torch_compile:
@@ -219,7 +219,7 @@ class ApexTrainer(Trainer):
                 self._apply_model_switches(self.model)
             self._norms_to_tune = self._tunes_norms_in_step()
             self._attention_to_tune = self.args.attention_backend == "fastest"
-            self.attention = None if self._attention_to_tune else self.args.attention_backend
+            self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def _tunes_norms_in_step(self) -> bool:
@@ -244,9 +244,9 @@ class ApexTrainer(Trainer):
             self._choose_norms(self._prepare_inputs(inputs))
         if self._attention_to_tune:
             self._attention_to_tune = False
-            self.attention = self._choose_attention(self._prepare_inputs(inputs))
+            self.sdpa_backend = self._choose_attention(self._prepare_inputs(inputs))
         try:
-            with preferring(self.attention):  # (under torch.compile: the backend the graph is traced with)
+            with preferring(self.sdpa_backend):  # (under torch.compile: the backend the graph is traced with)
                 return super().training_step(model, inputs, *args, **kwargs)
         except RuntimeError as error:
             if "find_unused_parameters" in str(error) and self.args.ddp_find_unused_parameters is False:
@@ -282,7 +282,7 @@ class ApexTrainer(Trainer):
         return self.autotuner.choose_attention(capture_attention(forward))
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        with preferring(self.attention):
+        with preferring(self.sdpa_backend):
             return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
@@ -401,7 +401,7 @@ class ApexTrainer(Trainer):
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
         if self.args.attention_backend:
-            kernels["attention_backend"] = self.attention or "torch (PyTorch's own choice)"
+            kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "lm_loss": self.loss_fusion,

@@ -171,7 +171,7 @@ def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
     _, step, evaluation, losses, metrics = train(tmp_path, "default")
     assert step == evaluation == {CPU_FLASH_OP} and "attention_backend" not in metrics["kernels"]
     trainer, step, evaluation, fastest_losses, metrics = train(tmp_path, "fastest", attention_backend="fastest")
-    assert trainer.attention == "math" and metrics["kernels"]["attention_backend"] == "math"
+    assert trainer.sdpa_backend == "math" and metrics["kernels"]["attention_backend"] == "math"
     assert step == evaluation == {MATH_OP}
     decision = next(d for d in metrics["autotune"] if d["component"] == "attention")
     assert decision["backend"] == "math" and decision["cached"] is False
@@ -183,5 +183,5 @@ def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
 
 def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path):
     trainer, step, evaluation, _, metrics = train(tmp_path, "c", attention_backend="fastest", torch_compile=True)
-    assert metrics["run"]["torch_compile"] and trainer.attention == "math"
+    assert metrics["run"]["torch_compile"] and trainer.sdpa_backend == "math"
     assert step == evaluation == {MATH_OP}  # PyTorch's own choice here is the flash kernel (test above)

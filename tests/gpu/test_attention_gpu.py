@@ -57,9 +57,9 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
     assert decision["key"]["dropout_p"] == pytest.approx(0.1) and decision["key"]["is_causal"]
     assert len(decision["times_ms"]) >= 3  # PyTorch's choice and at least two backends could run it
     assert all(decision["parity_ok"].values()), decision
-    assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.attention
-    assert ran == ({trainer.attention} if trainer.attention != "torch" else default_ran), (ran, decision)
-    assert fastest["kernels"]["attention_backend"] == trainer.attention
+    assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.sdpa_backend
+    assert ran == ({trainer.sdpa_backend} if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
+    assert fastest["kernels"]["attention_backend"] == trainer.sdpa_backend
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5
     )
