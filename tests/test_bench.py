@@ -101,6 +101,9 @@ def test_rows_ratios_and_table():
     table = format_table(rows, "banner")
     assert "| bert | fused_full | 50.0 | 2,000 | 4.00× |" in table  # no per-step times: no interval
     assert "fused_adam (fallback)" in table and base.kernels_verified == "none (torch only)"
+    fastest = _metrics("fastest", 30.0, 4.0, [2.0] * 5, {}, {"apex": {}})
+    fastest["kernels"]["attention_backend"] = "flash"  # the SDPA backend the run timed fastest
+    assert row_from_metrics("bert", fastest).kernels_verified == "none (torch only); SDPA flash (chosen, not profiled)"
 
 
 def _steps(median: float, n: int, seed: int) -> list[float]:
