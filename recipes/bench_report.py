@@ -217,7 +217,10 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         verified = "not profiled (no CUDA)" if not (metrics.get("provenance") or {}).get("gpu") else "not profiled"
     else:
         verified = ", ".join(sorted(profiled)) or "none (torch only)"
-    if metrics["kernels"].get("attention_backend"):  # what attention_backend resolved to (fastest: timed)
+    sdpa = (metrics["kernels"].get("profiled") or {}).get("sdpa")
+    if sdpa:  # the attention kernels the profiled step ran
+        verified += f"; SDPA {', '.join(sdpa)}"
+    elif metrics["kernels"].get("attention_backend"):  # what attention_backend resolved to (fastest: timed)
         verified += f"; SDPA {metrics['kernels']['attention_backend']} (chosen, not profiled)"
     history = [(h["step"], h["loss"]) for h in metrics.get("loss_history", [])]
     losses = [loss for _, loss in history]

@@ -104,6 +104,8 @@ def test_rows_ratios_and_table():
     fastest = _metrics("fastest", 30.0, 4.0, [2.0] * 5, {}, {"apex": {}})
     fastest["kernels"]["attention_backend"] = "flash"  # the SDPA backend the run timed fastest
     assert row_from_metrics("bert", fastest).kernels_verified == "none (torch only); SDPA flash (chosen, not profiled)"
+    fastest["kernels"]["profiled"]["sdpa"] = ["cudnn"]  # what the profiled step ran says more than the choice
+    assert row_from_metrics("bert", fastest).kernels_verified == "none (torch only); SDPA cudnn"
 
 
 def _steps(median: float, n: int, seed: int) -> list[float]:

@@ -3,7 +3,7 @@
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_apex.kernels.trace import classify_kernels
+from hf_apex.kernels.trace import classify_kernels, sdpa_backends_seen
 from hf_apex.measure.flops import flops_per_token, lookup_peak_tflops, model_shape
 from hf_apex.measure.report import percentiles
 from tests.testing_utils import tiny_inputs, tiny_model
@@ -94,3 +94,13 @@ def test_kernel_classification_tells_apex_from_torch():
     assert set(found) == {"fused_adam", "layer_norm", "rms_norm", "fused_lamb"}
     assert len(found["fused_adam"]) == 1 and "at::native" not in found["fused_adam"][0]
     assert classify_kernels(names[1:2] + names[4:5]) == {}
+
+
+def test_sdpa_kernel_names_tell_the_backend():
+    cudnn = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_..."  # as an H200 profile named it
+    flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, bf16>>"
+    efficient = "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>)"
+    softmax = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, Epilogue>"
+    assert sdpa_backends_seen([cudnn]) == ["cudnn"]  # its "flash_fprop" is not the flash backend
+    assert sdpa_backends_seen([flash, efficient, softmax]) == ["efficient", "flash"]
+    assert sdpa_backends_seen([softmax]) == []  # the math backend leaves no name of its own

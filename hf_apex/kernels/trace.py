@@ -78,6 +78,21 @@ APEX_KERNELS: dict[str, re.Pattern] = {
 }
 
 
+# Kernel-name patterns of the SDPA backends (hf_apex.kernels.attention): PyTorch's FlashAttention-2 port, its
+# memory-efficient (cutlass) kernels, cuDNN's generated SDPA kernels (whose names say "flash_fprop", not
+# "flash_fwd"). The math backend runs plain matmuls and a softmax: nothing names it.
+SDPA_KERNELS: dict[str, re.Pattern] = {
+    "flash": re.compile(r"pytorch_flash::|\bflash_(fwd|bwd)_"),
+    "efficient": re.compile(r"fmha_cutlass|PyTorchMemEffAttention"),
+    "cudnn": re.compile(r"cudnn\w*sdpa"),
+}
+
+
+def sdpa_backends_seen(names) -> list[str]:
+    """The SDPA backends whose kernels are among ``names``."""
+    return sorted({backend for name in names for backend, pattern in SDPA_KERNELS.items() if pattern.search(name)})
+
+
 def classify_kernels(names) -> dict[str, list[str]]:
     """Map component -> sorted apex kernel names found among ``names``."""
     found: dict[str, set[str]] = {}
@@ -89,7 +104,7 @@ def classify_kernels(names) -> dict[str, list[str]]:
 
 
 class KernelProfile:
-    """Profile a region; ``stop()`` returns {"apex": {component: [kernels]}, "cuda_kernels": n}."""
+    """Profile a region's CUDA kernels (see ``stop``)."""
 
     def __init__(self) -> None:
         self._prof = None
@@ -107,8 +122,9 @@ class KernelProfile:
         return self
 
     def stop(self) -> dict:
+        """{"apex": {component: [kernels]}, "sdpa": [SDPA backends whose kernels ran], "cuda_kernels": n}."""
         torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         self.running = False
         names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return {"apex": classify_kernels(names), "cuda_kernels": len(names)}
+        return {"apex": classify_kernels(names), "sdpa": sdpa_backends_seen(names), "cuda_kernels": len(names)}

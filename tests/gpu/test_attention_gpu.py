@@ -60,6 +60,9 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
     assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.sdpa_backend
     assert ran == ({trainer.sdpa_backend} if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
     assert fastest["kernels"]["attention_backend"] == trainer.sdpa_backend
+    if trainer.sdpa_backend in ("flash", "cudnn", "efficient"):  # the metrics' own profile names it from its kernels
+        assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.sdpa_backend]
+    assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran - {"math"})
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5
     )
