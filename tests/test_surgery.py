@@ -111,11 +111,17 @@ def test_save_pretrained_of_rewired_model_loads_in_stock_transformers(family, tm
     assert torch.equal(want, got)
 
 
-def test_rewire_is_idempotent_and_counts_fallbacks():
+def test_rewire_is_idempotent_and_counts_fallbacks(caplog):
     model = tiny_model("gpt2")
-    first = rewire(model)
-    second = rewire(model)
+    with caplog.at_level("INFO", logger="hf_apex"):
+        first = rewire(model)
+        second = rewire(model)  # (as ApexTrainer does again when training starts)
     assert first.swapped == second.swapped
+    assert caplog.text.count("module(s) swapped") == 1  # the same model and options are reported once
+    with caplog.at_level("INFO", logger="hf_apex"):
+        rewire(model, strict_kernels=True)
+    assert caplog.text.count("module(s) swapped") == 2  # new options: said again
+    rewire(model)
     with torch.no_grad():
         model(**tiny_inputs("gpt2"))
     counts = trace.calls_since(trace.collect(model), {})

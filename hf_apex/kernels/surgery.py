@@ -180,7 +180,7 @@ def rewire(
         `RewireReport`: the swapped and skipped modules. Calling ``rewire`` again updates the options and
         forgets earlier routes (and their counts).
     """
-    report = RewireReport()
+    report, options = RewireReport(), (strict_kernels, chooser, compiled)
     for path, module in model.named_modules():
         if is_swapped(module):
             old = stock_class(module).__name__
@@ -193,16 +193,19 @@ def rewire(
             module.__class__ = swapped_class(type(module), kind)
         else:
             continue
-        module.hf_apex_strict, module.hf_apex_chooser, module.hf_apex_compiled = strict_kernels, chooser, compiled
+        module.hf_apex_strict, module.hf_apex_chooser, module.hf_apex_compiled = options
         module.hf_apex_reset()
         report.swapped[path] = f"{old} -> {type(module).__name__}"
-    logger.info("%s", report)
+    # Said once per model and options: ApexTrainer applies its switches again when training starts.
+    logger.log(logging.DEBUG if getattr(model, "_hf_apex_rewired", None) == options else logging.INFO, "%s", report)
+    model._hf_apex_rewired = options
     return report
 
 
 def unrewire(model: nn.Module) -> int:
     """Restore the stock classes of every module :func:`rewire` swapped; returns how many were restored."""
     restored = 0
+    model.__dict__.pop("_hf_apex_rewired", None)
     for module in model.modules():
         cls = stock_class(module)
         if cls is not None:
