@@ -98,7 +98,10 @@ def collect(proof: bool = True) -> dict:
         "backends": _backends(),
     }
     if proof:  # informational: what --attention_backend can put first here (not an apex problem either way)
-        report["attention_backends"] = attention.runnable("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            report["attention_backends"] = attention.runnable("cuda" if torch.cuda.is_available() else "cpu")
+        except Exception as exc:  # report, don't crash: the doctor is for broken setups
+            report["attention_backends"] = {"error": f"{type(exc).__name__}: {exc}"}
     problems = [f"{c}: {b['why']}" for c, b in report["backends"].items() if b["backend"] != "apex"]
     if proof and all(b["backend"] == "apex" for b in report["backends"].values()):
         try:
