@@ -11,6 +11,7 @@ from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.autotune import Autotuner, DecisionCache, attention_probe
 from hf_apex.kernels import attention
 from hf_apex.measure.report import METRICS_FILENAME
+from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, tiny_inputs, tiny_model
 
 MATH_OP, CPU_FLASH_OP = "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -142,20 +143,7 @@ def test_the_fastest_stage_times_the_attention_and_a_value_of_yours_wins(tmp_pat
 
 def train(tmp_path, name: str, **kw):
     """A tiny Llama trained 4 steps; then the SDPA kernels one more training step and an evaluation run."""
-    args = ApexTrainingArguments(
-        output_dir=str(tmp_path / name),
-        use_cpu=True,
-        report_to="none",
-        max_steps=4,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        disable_tqdm=True,
-        seed=0,
-        autotune_cache=str(tmp_path / "cache.json"),
-        **kw,
-    )
+    args = train_args(tmp_path / name, max_steps=4, autotune_cache=str(tmp_path / "cache.json"), **kw)
     data = TokenDataset()
     trainer = ApexTrainer(model=tiny_model("llama").train(), args=args, train_dataset=data, eval_dataset=data)
     if trainer.autotuner is not None:  # CUDA events cannot time CPU work: a timer that makes math the fastest

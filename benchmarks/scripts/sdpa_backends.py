@@ -4,9 +4,9 @@ usage: python benchmarks/scripts/sdpa_backends.py [OUT.json]
 
 The attention of GPT-2 and of the Llama-architecture model at 16 x 1024 (12 heads of 64, causal) and of BERT-base at
 128 x 128 (12 heads of 64, a padding mask or none), with and without the models' attention dropout (0.1 for GPT-2 and
-BERT, none in Llama), under PyTorch's own choice and each backend forced with `torch.nn.attention.sdpa_kernel`.
-Prints ms per forward + backward (median of 20 after 5 warm-up calls, CUDA events) and TFLOP/s counting causal
-attention as half the score matrix (as FlashAttention's papers do); a backend that cannot run a shape says why.
+BERT, none in Llama), under PyTorch's own choice and each backend forced with `torch.nn.attention.sdpa_kernel`. Prints
+ms per forward + backward (the median of up to 20 calls after 3 warm-up calls, CUDA events) and TFLOP/s counting
+causal attention as half the score matrix (as FlashAttention's papers do); a backend that cannot run a shape says why.
 Used to see what the `fastest` rung's attention costs (a profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's
 kernels took 13.6 of 45 ms per step).
 """
@@ -17,6 +17,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hf_apex.autotune import cuda_timer
 
 BACKENDS = {
     "default": None,  # PyTorch's own choice
@@ -33,20 +35,6 @@ SHAPES = {
     "bert, padded (no dropout)": (128, 12, 128, 64, False, True, 0.0),
     "bert, no mask (dropout 0.1)": (128, 12, 128, 64, False, False, 0.1),
 }
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
 
 
 def measure(name: str, b: int, h: int, t: int, d: int, causal: bool, padded: bool, dropout: float) -> list[dict]:
@@ -67,10 +55,10 @@ def measure(name: str, b: int, h: int, t: int, d: int, causal: bool, padded: boo
         row = {"shape": name, "backend": backend}
         try:
             if sdp is None:
-                row["ms"] = time_ms(step)
+                row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
             else:
                 with sdpa_kernel([sdp]):
-                    row["ms"] = time_ms(step)
+                    row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
             row["tflops"] = flops / row["ms"] / 1e9
         except RuntimeError as exc:
             row["error"] = str(exc).splitlines()[0][:100]
