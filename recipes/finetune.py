@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.distributed import close_process_group
 from hf_apex.kernels.availability import portable_path
 from hf_apex.measure.report import update_metrics_file
 from hf_apex.trainer import validate_apex_args
@@ -351,6 +352,5 @@ if __name__ == "__main__":
         main()
     except InputError as exc:  # bad input: one clear line, no traceback (errors during training keep theirs)
         sys.exit(f"finetune.py: error: {exc}")
-    finally:  # under torchrun: close the process group rather than leave it to interpreter exit
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    finally:  # under torchrun: free the process group here (main's trainer is garbage now), not at interpreter exit
+        close_process_group()

@@ -73,3 +73,14 @@ def test_an_unused_parameter_names_the_flag_that_trains_it(tmp_path):
     launch(tmp_path / "search", "baseline", nproc=2, batch=2, variant="unused-search")
     metrics = json.loads((tmp_path / "search" / METRICS_FILENAME).read_text())
     assert metrics["ddp"]["find_unused_parameters"] is True and metrics["run"]["steps"] == 5
+
+
+def test_closing_the_process_group_frees_it_before_exit(tmp_path):
+    """A DDP run that ends with hf_apex.distributed.close_process_group() frees its process group there, joining
+    gloo's threads, and leaves through the interpreter's normal exit. Left to that exit, a gloo worker still
+    releasing the last collective's tensors aborted finished runs now and then (SIGABRT in CI's 2-process bench)."""
+    launch(tmp_path, "baseline", nproc=2, batch=2, variant="close")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"close-rank{rank}.json").read_text())
+        assert result["freed"], f"rank {rank}: the process group outlived close_process_group()"
+        assert result["threads_after"] <= result["threads_before"] - 2, result  # gloo's worker threads, joined
