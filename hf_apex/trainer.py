@@ -274,6 +274,7 @@ class ApexTrainer(Trainer):
         if _fsdp_version(self.args) or self.is_deepspeed_enabled:  # a partial forward would strand gathered shards
             return self.autotuner.choose_attention(None, blocked="not timed under FSDP or DeepSpeed")
         raw = self.model  # unwrapped: eager, no DDP hooks
+        raw.train()  # as the training step will run it: with dropout (a model from from_pretrained is in eval mode)
 
         def forward():
             with self.accelerator.autocast():

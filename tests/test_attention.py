@@ -3,6 +3,10 @@ whose results match the math backend's is put first for every step (hf_apex/kern
 probe: hf_apex/autotune.py)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +58,25 @@ def test_capture_records_the_first_call_and_leaves_the_model_and_rng_alone():
 
     eager = tiny_model("gpt2", attn_implementation="eager")
     assert attention.capture(lambda: eager(**inputs)) is None  # no SDPA call: nothing to choose
+
+
+def test_under_autocast_the_call_is_recorded_in_the_dtype_sdpa_runs_in():
+    """A Llama reaches SDPA with FP32 queries and keys (its rotary embedding multiplies by FP32 cos/sin) and BF16
+    values; autocast runs the call in BF16, so that is what the probe must time and check."""
+    for family in ("llama", "gpt2"):
+        model, inputs = tiny_model(family).train(), tiny_inputs(family)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call = attention.capture(lambda model=model, inputs=inputs: model(**inputs))
+        assert call.dtype == torch.bfloat16, family
+    bert = tiny_model("bert").train()
+    padded = tiny_inputs("bert")
+    padded["attention_mask"][0, 10:] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        masked = attention.capture(lambda: bert(**padded))
+    assert masked.mask is not None and masked.dtype == torch.bfloat16
+    assert masked.mask.dtype in (torch.bool, torch.bfloat16)  # a float mask is cast with the call
+    candidates, parity = attention_probe(masked)
+    assert "math" in candidates and parity("math")
 
 
 def test_probe_offers_the_backends_that_run_the_call_and_checks_them_against_math():
@@ -117,6 +140,14 @@ def test_the_autotuner_keeps_the_fastest_backend_and_caches_it(tmp_path):
     assert resumed.choose_attention(call) == "flash" and resumed.report()[0]["reason"] == "resumed checkpoint"
 
 
+def test_timing_the_attention_leaves_the_random_streams_alone(tmp_path):
+    call = attention.capture(lambda: tiny_model("gpt2").train()(**tiny_inputs("gpt2")))  # dropout 0.1
+    tuner = Autotuner(DecisionCache(tmp_path / "cache.json"), timer=fake_timer({"torch": 2.0, "math": 1.0}))
+    rng = torch.get_rng_state()
+    assert tuner.choose_attention(call) == "math"  # its dropout calls ran (the fake timer calls each once)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 def test_preferring_puts_the_backend_first_and_falls_back_where_it_cannot_run():
     model = tiny_model("llama").train()
     inputs = tiny_inputs("llama")
@@ -128,6 +159,49 @@ def test_preferring_puts_the_backend_first_and_falls_back_where_it_cannot_run():
     with attention.preferring(None), attention.preferring("torch"):
         assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}
     assert sdpa_ops(lambda: model(**inputs)) == {CPU_FLASH_OP}  # and nothing is left changed
+    # After the preferred backend, the others keep PyTorch's own order.
+    default = torch._C._get_sdp_priority_order()
+    fused = [int(b) for b in attention.BACKENDS.values()]
+    with attention.preferring("efficient"):
+        order = torch._C._get_sdp_priority_order()
+    assert order[0] == int(attention.BACKENDS["efficient"])
+    assert [b for b in order if b in fused][1:] == [b for b in default if b in fused and b != order[0]]
+    assert torch._C._get_sdp_priority_order() == default
+
+
+# A compiled training step in a process of its own, under a preference; prints the SDPA ops it ran.
+COMPILED_STEP = """
+import sys, torch
+from hf_apex.kernels import attention
+from tests.testing_utils import tiny_inputs, tiny_model
+inputs = tiny_inputs("llama")
+inputs.pop("attention_mask")
+model = torch.compile(tiny_model("llama").train())
+with attention.preferring(sys.argv[1]):
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()  # compiled here
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+print(sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name}))
+"""
+
+
+def test_a_compiled_graph_cached_on_disk_does_not_override_the_preferred_backend(tmp_path):
+    """AOTAutograd's disk cache keys a graph without SDPA's priority: under a preference it is left alone, so a run
+    that prefers math does not get the flash graph an earlier process compiled under PyTorch's choice."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),  # shared by both processes, as by a bench's runs
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+
+    def ops(backend: str) -> str:
+        out = subprocess.run([sys.executable, "-c", COMPILED_STEP, backend], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert CPU_FLASH_OP.removeprefix("aten::") in ops("torch")  # compiled and cached under PyTorch's choice
+    assert CPU_FLASH_OP.removeprefix("aten::") not in ops("math")  # (Inductor decomposes math attention)
 
 
 def test_the_fastest_stage_times_the_attention_and_a_value_of_yours_wins(tmp_path):
@@ -167,6 +241,18 @@ def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
     _, step, evaluation, named_losses, metrics = train(tmp_path, "named", attention_backend="math")
     assert step == evaluation == {MATH_OP} and metrics["kernels"]["attention_backend"] == "math"
     assert metrics["autotune"] == [] and named_losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_model_in_eval_mode_is_timed_on_its_training_call(tmp_path):
+    """from_pretrained returns a model in eval mode; the attention is timed as the training steps run it, with
+    dropout."""
+    model = tiny_model("gpt2")  # eval mode
+    args = train_args(tmp_path, max_steps=2, attention_backend="fastest", autotune_cache=str(tmp_path / "c.json"))
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer.autotuner.timer = fake_timer({"torch": 2.0, "math": 1.0})
+    trainer.train()
+    (decision,) = [d for d in trainer.autotuner.report() if d["component"] == "attention"]
+    assert decision["key"]["dropout_p"] == pytest.approx(model.config.attn_pdrop)
 
 
 def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path):

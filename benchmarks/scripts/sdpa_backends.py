@@ -55,7 +55,9 @@ def measure(name: str, b: int, h: int, t: int, d: int, causal: bool, padded: boo
         row = {"shape": name, "backend": backend}
         try:
             if sdp is None:
-                row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
+                row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)  # (this first call settles the priority)
+                picked = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+                row["picked"] = SDPBackend(picked).name  # which backend PyTorch's choice is
             else:
                 with sdpa_kernel([sdp]):
                     row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
@@ -64,6 +66,7 @@ def measure(name: str, b: int, h: int, t: int, d: int, causal: bool, padded: boo
             row["error"] = str(exc).splitlines()[0][:100]
         rows.append(row)
         ms = f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" if "ms" in row else row["error"]
+        ms += f" ({row['picked']})" if "picked" in row else ""
         print(f"{name:28s} {backend:10s} {ms}", flush=True)
     return rows
 

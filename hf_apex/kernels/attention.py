@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
@@ -78,13 +80,17 @@ class _Capture(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v, mask, dropout_p, is_causal, scale = _sdpa_args(*args, **kwargs)
+            dtype = _computed_in(q)
+            if mask is not None:
+                mask = mask.detach().clone()
+                mask = mask.to(dtype) if mask.is_floating_point() else mask
             self.call = AttentionCall(
                 tuple(q.shape),
                 tuple(k.shape),
                 tuple(v.shape),
-                q.dtype,
+                dtype,
                 q.device,
-                None if mask is None else mask.detach().clone(),
+                mask,
                 float(dropout_p),
                 bool(is_causal),
                 scale,
@@ -96,6 +102,15 @@ class _Capture(TorchFunctionMode):
 
 def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
     return query, key, value, attn_mask, dropout_p, is_causal, scale
+
+
+def _computed_in(query: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA runs in: autocast's where autocast is on (it casts every floating input of the call; a Llama
+    reaches SDPA with FP32 queries and keys after its rotary embedding, and BF16 values), else the query's."""
+    device = query.device.type
+    if query.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
 
 
 def capture(forward: Callable[[], object]) -> AttentionCall | None:
@@ -113,15 +128,32 @@ def capture(forward: Callable[[], object]) -> AttentionCall | None:
     return mode.call
 
 
-def preferring(backend: str | None) -> contextlib.AbstractContextManager:
-    """SDPA's backends with ``backend`` first, then the others (flash, cuDNN, efficient, math); nothing changes for
-    None or TORCH."""
+@contextlib.contextmanager
+def preferring(backend: str | None):
+    """SDPA's backends with ``backend`` first, then the others in PyTorch's own order; nothing changes for None or
+    TORCH. Code compiled meanwhile is traced with that backend; AOTAutograd's on-disk cache, whose key leaves SDPA's
+    priority out, is neither read nor written meanwhile (it would serve a graph traced under another priority)."""
     if backend in (None, TORCH):
-        return contextlib.nullcontext()
+        yield
+        return
     if backend == "math":  # it runs every input, so it needs no fallback (and the CPU's choice ignores priority)
-        return sdpa_kernel([SDPBackend.MATH])
-    first = BACKENDS[backend]
-    return sdpa_kernel([first, *(b for b in BACKENDS.values() if b is not first)], set_priority=True)
+        kernels = sdpa_kernel([SDPBackend.MATH])
+    else:
+        _settle_default_priority()
+        first, order = BACKENDS[backend], torch._C._get_sdp_priority_order()
+        rest = sorted((b for b in BACKENDS.values() if b is not first), key=lambda b: order.index(int(b)))
+        kernels = sdpa_kernel([first, *rest], set_priority=True)
+    with kernels, torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@functools.cache
+def _settle_default_priority() -> None:
+    """Have PyTorch install its CUDA default priority now. It does so on the process's first CUDA backend selection
+    (cuDNN first on sm90/sm100 with a recent cuDNN), overwriting an order set before that, such as ours."""
+    if torch.cuda.is_available():
+        t = torch.zeros(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+        torch._fused_sdp_choice(t, t, t)
 
 
 def runnable(device: torch.device | str) -> dict[str, str]:

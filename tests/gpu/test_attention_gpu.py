@@ -4,6 +4,10 @@ step), and follows the loss curve of PyTorch's own choice: the same attention, o
 (20-step curves, 5-step means within 2 %, as `compiled` against eager)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +72,23 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5
     )
     assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
+
+
+# A new process whose first SDPA call runs under a preference (a cached or resumed decision, a named backend, DDP
+# ranks but 0): PyTorch installs its default priority (cuDNN first on an H200) on its first backend selection.
+FIRST_CALL = """
+import sys, torch
+from hf_apex.kernels import attention
+q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+with attention.preferring(sys.argv[1]), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
+print(sorted({e.name for e in p.events() if e.name.startswith("aten::_scaled_dot_product")}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["flash", "efficient"])
+def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL, backend], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert OPS[backend] in out.stdout and OPS["cudnn"] not in out.stdout, out.stdout
