@@ -2,8 +2,9 @@
 
     python recipes/plain_loop.py OUT.json <the recipes/finetune.py flags of the run to mirror>
 
-`make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model,
-data, collator and shuffling; the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
+`make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model
+(without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
+shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
 schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16),
 `torch.compile` (compiled, batches leave out an all-ones attention mask), loss (`--fused_linear_cross_entropy`) and
 SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does);
@@ -49,13 +50,15 @@ def main(out_json: str, argv: list[str]) -> dict:
     if too_short_to_compile(args, train_ds):  # as ApexTrainer: eager when compilation would not pay
         args.torch_compile = False
     device = args.device
+    if hasattr(args, "use_cache"):  # as Trainer.__init__ does (False by default: no KV cache built in training)
+        model.config.use_cache = args.use_cache
     model.to(device).train()
 
     # The Trainer's choices: apex kernels (autotuned or not), decay groups, optimizer, schedule, compile.
     timed = args.autotune or args.attention_backend == "fastest"
     tuner = Autotuner(DecisionCache(args.autotune_cache)) if timed else None
     if args.apex_fused_norms:
-        rewire(model, chooser=tuner.choose_norm if tuner else None, compiled=args.torch_compile)
+        rewire(model, chooser=tuner.choose_norm if args.autotune else None, compiled=args.torch_compile)
     if args.fused_linear_cross_entropy:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -100,7 +103,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
             return raw(**first).loss
 
-    if tuner and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: norms timed on whole passes
+    if args.autotune and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: timed on whole passes
         shape = tuple(first[model.main_input_name].shape)
         tuner.choose_norms(model, training_pass(model, loss_fn), shape, amp if args.bf16 or args.fp16 else None)
     attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step

@@ -625,3 +625,29 @@ def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
     alone = bench_report.compilation_costs([compiled])[0]  # no eager row: the first step's whole extra
     whole = (compiled.first_step_ms - compiled.step_time_ms_p50) / 1e3
     assert alone == f"gpt2 compiled: compilation {whole:.1f} s (first step)."
+
+
+def test_the_plain_loop_trains_without_a_kv_cache_as_the_trainer_does(
+    generated_data,  # noqa: F811
+    word_tokenizer,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Trainer.__init__ sets ``config.use_cache = args.use_cache`` (False): a plain loop that kept GPT-2's default
+    built a KV cache in every training forward, work the Trainer run does not do (K and V of every layer copied)."""
+    import finetune
+    import plain_loop
+    import torch
+
+    opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
+    opts.tiny, opts.warmup, opts.steps = True, 1, 2
+    flags = bench.finetune_args("gpt2", "baseline", opts, tmp_path / "run", nproc=1)
+    flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
+    models = []
+    load_model = finetune.load_model
+    monkeypatch.setattr(finetune, "load_model", lambda *a: models.append(load_model(*a)) or models[-1])
+    plain_loop.main(str(tmp_path / "plain.json"), flags)
+    (model,) = models
+    assert model.config.use_cache is False
+    ids = torch.randint(5, 20, (2, 8))
+    assert model.train()(input_ids=ids.to(model.device)).past_key_values is None
