@@ -15,6 +15,7 @@ go on, and the bench exits with status 1 naming the failed ones (`--skip_existin
 `--repeats N` runs each row N times, each run a fresh process, in rounds (every stage of a model once per round),
 as `runs/{model}-{stage}`, `runs/{model}-{stage}-r2`, ...; the row pools their steps and its 95 % intervals
 include how much the runs differ (`recipes/bench_report.py`). BERT's BF16 stages default to 3 runs on CUDA.
+Every other round runs each plain-loop reference before its Trainer run instead of after it.
 
 `--nproc` takes one or more world sizes: each model and stage then runs once per size (n > 1 under torchrun,
 DDP, the same per-device batch), in `runs/{model}-{stage}` for one process and `runs/{model}-{stage}-x{n}`
@@ -353,14 +354,15 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
         launcher = [sys.executable]
         if nproc > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log", opts.preload)
+        pair = [lambda: run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log", opts.preload)]
         if want_plain:
             plain_args = finetune_args(name, stage, opts, run_dir / "plain", nproc)
-            run(
-                [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args],
-                out_dir / f"{run_id}-plain.log",
-                opts.preload,
-            )
+            plain_cmd = [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args]
+            pair.append(lambda: run(plain_cmd, out_dir / f"{run_id}-plain.log", opts.preload))
+        # Every other round the plain loop goes first, so a drift of the machine does not fall on it alone (round 1
+        # runs the Trainer first: the plain loop then reuses the autotune decisions that run cached).
+        for launch in reversed(pair) if repeat % 2 else pair:
+            launch()
         settings_json.write_text(json.dumps(settings, indent=1))
     metrics = json.loads(metrics_json.read_text())
     p50 = (metrics.get("step_time_ms") or {}).get("p50")

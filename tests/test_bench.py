@@ -537,7 +537,8 @@ def test_outputs_carry_the_world_size_and_scaling(tmp_path):
 
 
 def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, capsys):
-    """--repeats 2: every stage once per round, the runs of a row in -r2 folders, one row per stage pooling both."""
+    """--repeats 2: every stage once per round, the runs of a row in -r2 folders, one row per stage pooling both;
+    the second round runs each plain-loop reference before its Trainer run."""
     launched = []
 
     def fake_run(cmd, log, preload=False):
@@ -563,10 +564,10 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
         "gpt2-baseline-plain.log",
         "gpt2-fused_full.log",
         "gpt2-fused_full-plain.log",
+        "gpt2-baseline-r2-plain.log",  # every other round, the plain loop first
         "gpt2-baseline-r2.log",
-        "gpt2-baseline-r2-plain.log",
-        "gpt2-fused_full-r2.log",
         "gpt2-fused_full-r2-plain.log",
+        "gpt2-fused_full-r2.log",
     ]
     assert (tmp_path / "runs" / "gpt2-fused_full-r2" / METRICS_FILENAME).is_file()
     printed = capsys.readouterr().out
