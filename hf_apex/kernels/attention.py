@@ -143,7 +143,9 @@ def preferring(backend: str | None):
         first, order = BACKENDS[backend], torch._C._get_sdp_priority_order()
         rest = sorted((b for b in BACKENDS.values() if b is not first), key=lambda b: order.index(int(b)))
         kernels = sdpa_kernel([first, *rest], set_priority=True)
-    with kernels, torch._functorch.config.patch(enable_autograd_cache=False):
+    config = torch._functorch.config
+    uncached = config.patch(enable_autograd_cache=False) if hasattr(config, "enable_autograd_cache") else None
+    with kernels, uncached or contextlib.nullcontext():
         yield
 
 
