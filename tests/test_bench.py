@@ -641,7 +641,6 @@ def test_the_plain_loop_trains_without_a_kv_cache_as_the_trainer_does(
     import torch
 
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
-    opts.tiny, opts.warmup, opts.steps = True, 1, 2
     flags = bench.finetune_args("gpt2", "baseline", opts, tmp_path / "run", nproc=1)
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     models = []
