@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -285,3 +286,34 @@ def test_stock_classes_sharing_a_name_get_distinct_swapped_classes(tmp_path):
     torch.save(model, buffer)
     buffer.seek(0)
     assert type(torch.load(buffer, weights_only=False)["a"]) is theirs
+
+
+@pytest.mark.parametrize("yours", [None, "0"])
+def test_a_kernel_profile_sets_cupti_teardown_for_its_own_profile_only(monkeypatch, yours):
+    # Kineto reads TEARDOWN_CUPTI when a profile starts and when it stops; the variable must not outlive the profile
+    # (child processes inherit it), and a value of the user's is theirs.
+    seen = []
+
+    class Profile:  # torch.profiler.profile's protocol, recording the variable where kineto reads it
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            seen.append(("start", os.environ.get("TEARDOWN_CUPTI")))
+
+        def __exit__(self, *exc):
+            seen.append(("stop", os.environ.get("TEARDOWN_CUPTI")))
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    if yours is None:
+        monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    else:
+        monkeypatch.setenv("TEARDOWN_CUPTI", yours)
+    for _ in range(2):
+        assert trace.KernelProfile().start().stop()["cuda_kernels"] == 0
+    assert seen == [("start", yours or "1"), ("stop", yours or "1")] * 2
+    assert os.environ.get("TEARDOWN_CUPTI") == yours

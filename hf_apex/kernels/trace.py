@@ -108,6 +108,7 @@ class KernelProfile:
 
     def __init__(self) -> None:
         self._prof = None
+        self._teardown_env: str | None = None
         self.running = False
 
     def start(self) -> KernelProfile:
@@ -115,16 +116,31 @@ class KernelProfile:
 
         # Detach CUPTI when the profile ends: left attached, it adds host time to every later kernel launch, and
         # a host-bound training step stays 10-20 % slower after one profiled step (pytorch/pytorch#144455).
-        os.environ.setdefault("TEARDOWN_CUPTI", "1")
+        # Kineto reads TEARDOWN_CUPTI when a profile starts and stops, so it is set for this profile only (a value
+        # of yours is kept): left in the environment, every child process inherits it. On an H200 (torch 2.11) a
+        # child that profiled after a Trainer run had set it hung, and passed in a process that never had it.
+        self._teardown_env = os.environ.get("TEARDOWN_CUPTI")
+        os.environ["TEARDOWN_CUPTI"] = self._teardown_env or "1"
         self._prof = profile(activities=[ProfilerActivity.CUDA])
-        self._prof.__enter__()
+        try:
+            self._prof.__enter__()
+        except BaseException:
+            self._restore_env()
+            raise
         self.running = True
         return self
+
+    def _restore_env(self) -> None:
+        if self._teardown_env is None:
+            os.environ.pop("TEARDOWN_CUPTI", None)
 
     def stop(self) -> dict:
         """{"apex": {component: [kernels]}, "sdpa": [SDPA backends whose kernels ran], "cuda_kernels": n}."""
         torch.cuda.synchronize()
-        self._prof.__exit__(None, None, None)
-        self.running = False
+        try:
+            self._prof.__exit__(None, None, None)
+        finally:
+            self._restore_env()
+            self.running = False
         names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return {"apex": classify_kernels(names), "sdpa": sdpa_backends_seen(names), "cuda_kernels": len(names)}

@@ -89,6 +89,8 @@ print(sorted({e.name for e in p.events() if e.name.startswith("aten::_scaled_dot
 @pytest.mark.parametrize("backend", ["flash", "efficient"])
 def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run([sys.executable, "-c", FIRST_CALL, backend], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CALL, backend], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert OPS[backend] in out.stdout and OPS["cudnn"] not in out.stdout, out.stdout

@@ -1,9 +1,12 @@
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from hf_apex.kernels import trace
 from tests.testing_utils import require_apex, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
@@ -22,3 +25,26 @@ def test_doctor_strict_passes_with_runtime_proof():
     # The apex commit is the one built, or "unknown" -- never the HEAD of a checkout the source sits in.
     repo_head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert report["apex"]["commit"] != repo_head and report["apex"].get("commit_source")
+
+
+# A child that profiles (here the CPU only, around CUDA work), as a user's script or a test's subprocess may.
+CHILD_PROFILE = """
+import torch
+x = torch.ones(256, 256, device="cuda")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+    (x @ x).sum().item()
+print(len(p.events()) > 0)
+"""
+
+
+def test_a_kernel_profile_leaves_no_cupti_setting_behind(monkeypatch):
+    # On an H200 (torch 2.11) a child process that inherited TEARDOWN_CUPTI=1 from a profiled Trainer run hung in
+    # its first profile; hf_apex sets the variable for its own profiles only.
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    profile = trace.KernelProfile().start()
+    x = torch.ones(256, 256, device="cuda")
+    (x @ x).sum()
+    assert profile.stop()["cuda_kernels"] >= 1
+    assert "TEARDOWN_CUPTI" not in os.environ
+    out = subprocess.run([sys.executable, "-c", CHILD_PROFILE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
