@@ -130,9 +130,15 @@ def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[
     per backend that can run it (TORCH, PyTorch's own choice, always), and whether a backend's output and gradients
     match the math backend's in FP32 within the tolerance of ``call``'s dtype (without dropout, whose masks differ
     by backend)."""
+    strides = call.strides or (None, None, None)
     with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
-        q, k, v = (torch.randn(s, dtype=call.dtype, device=call.device) for s in (call.query, call.key, call.value))
-        grad_out = torch.randn(call.query[:-1] + call.value[-1:], dtype=call.dtype, device=call.device)
+        q, k, v = (
+            _random(shape, stride, call.dtype, call.device)
+            for shape, stride in zip((call.query, call.key, call.value), strides)
+        )
+        # the output's gradient: dense, its dimensions in the query's memory order (heads inside tokens for a model
+        # whose query is a view of a (batch, tokens, heads x dim) projection)
+        grad_out = _random(call.query[:-1] + call.value[-1:], q.stride(), call.dtype, call.device, dense=True)
 
     def run(backend: str, dropout_p: float, dtype: torch.dtype | None = None):
         cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype) if t.is_floating_point() else t)
@@ -170,6 +176,19 @@ def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[
         return all(rel_err(a, b) < tolerance(call.dtype) for a, b in zip([out, *grads], [ref, *ref_grads]))
 
     return candidates, parity
+
+
+def _random(shape, stride, dtype, device, dense: bool = False) -> torch.Tensor:
+    """Standard-normal values of ``shape`` laid out in memory as ``stride`` says (None: contiguous); ``dense``: no
+    gaps, the dimensions in the order of ``stride``."""
+    if stride is None:
+        return torch.randn(shape, dtype=dtype, device=device)
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])  # outermost dimension first
+    if dense:
+        return torch.randn([shape[d] for d in order], dtype=dtype, device=device).permute(
+            [order.index(d) for d in range(len(shape))]
+        )
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_()
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -415,8 +434,9 @@ class Autotuner:
     # -- the attention backend -------------------------------------------------------------------------------
     def choose_attention(self, call: attention.AttentionCall | None, blocked: str | None = None) -> str:
         """The fastest SDPA backend for the model's attention ``call`` (see :func:`attention.capture`), timed on
-        its shapes, mask, dropout and scale; ``"torch"`` (PyTorch's own choice) when there is no call to time,
-        ``blocked`` says why not to time, or nothing beats it. Rank 0 decides for all ranks (every rank calls)."""
+        its shapes, memory layout, mask, dropout and scale; ``"torch"`` (PyTorch's own choice) when there is no call
+        to time, ``blocked`` says why not to time, or nothing beats it. Rank 0 decides for all ranks (every rank
+        calls)."""
         pinned = self._pinned_decision("attention", "attention", {})
         if pinned is not None:
             return pinned

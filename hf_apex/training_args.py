@@ -70,10 +70,10 @@ class ApexTrainingArguments(TrainingArguments):
             The SDPA backend of the model's attention (transformers' `sdpa` implementation): `"flash"`, `"cudnn"`,
             `"efficient"` or `"math"` first in SDPA's priority (inputs it cannot take fall back to the others), or
             `"fastest"`: on the first training batch, the model's first SDPA call is recorded and every backend
-            that can run it is timed (forward and backward at its shapes, mask, dropout and scale) against
-            PyTorch's own choice, in turns; the fastest whose results match the math backend's wins, the decision
-            is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics JSON. Not
-            timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The `fastest` stage sets
+            that can run it is timed (forward and backward at its shapes, memory layout, mask, dropout and scale)
+            against PyTorch's own choice, in turns; the fastest whose results match the math backend's wins, the
+            decision is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics
+            JSON. Not timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The `fastest` stage sets
             `"fastest"`, which a value of yours overrides.
 
         > Parameters that control the stage metrics

@@ -90,6 +90,37 @@ def test_probe_offers_the_backends_that_run_the_call_and_checks_them_against_mat
     assert list(attention_probe(dropout)[0]) == ["torch", "math"]  # CPU flash takes no dropout
 
 
+def test_the_probe_replays_the_call_in_the_models_memory_layout(monkeypatch):
+    """GPT-2 hands SDPA its heads as views into one (batch, tokens, 3 x width) projection; the probe times the
+    backends on inputs laid out the same way, and the output's gradient with heads inside tokens, as the model's
+    output projection gives it back."""
+    model = tiny_model("gpt2", use_cache=False).train()
+    call = attention.capture(lambda: model(**tiny_inputs("gpt2")))
+    batch, heads, tokens, dim = call.query
+    view = (tokens * 3 * heads * dim, dim, 3 * heads * dim, 1)  # q, k, v: thirds of c_attn's output
+    assert call.strides == (view, view, view) and call.describe()["strides"] == [list(view)] * 3
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append(tuple(t.stride() for t in (q, k, v)))
+        out = real(q, k, v, **kwargs)
+        out.register_hook(lambda grad: seen.append(grad.stride()))
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    candidates, _ = attention_probe(call)
+    seen.clear()
+    candidates["math"]()
+    assert seen == [(view, view, view), (tokens * heads * dim, dim, heads * dim, 1)]
+    contiguous = attention.AttentionCall(
+        *[getattr(call, f) for f in ("query", "key", "value", "dtype", "device")], None, 0.0, True, None, False
+    )
+    seen.clear()
+    attention_probe(contiguous)[0]["math"]()
+    assert seen[0][0] == torch.empty(call.query).stride()
+
+
 def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):
     call = attention.AttentionCall(
         (2, 4, 64, 32),

@@ -5,10 +5,10 @@ backend (FlashAttention, cuDNN, memory-efficient, math) by a fixed priority and 
 on the GPU and the shape: on an H200, GPT-2 124M at 16 x 1024 spent 13.6 of its 45 ms `fastest` step in cuDNN's
 attention kernels (benchmarks/h200-2026-12-01-fastest). ``attention_backend`` names one backend, or ``"fastest"``:
 :func:`capture` records the model's first SDPA call on a real batch and ``hf_apex.autotune.attention_probe`` times
-each backend that can run it (forward and backward, the same shapes, mask, dropout and scale) for the autotuner,
-which keeps the fastest whose results match the math backend's in FP32. :func:`preferring` then puts that backend
-first in SDPA's priority for the run's steps; inputs it cannot take fall back to the others. Every backend computes
-the same attention; with dropout, each draws its own masks.
+each backend that can run it (forward and backward, the same shapes, memory layout, mask, dropout and scale) for the
+autotuner, which keeps the fastest whose results match the math backend's in FP32. :func:`preferring` then puts
+that backend first in SDPA's priority for the run's steps; inputs it cannot take fall back to the others. Every
+backend computes the same attention; with dropout, each draws its own masks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ CHOICES = (*BACKENDS, "fastest")  # the values of ``attention_backend`` besides 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
-    """What a probe needs to replay a model's SDPA call (the tensors' shapes, not their values)."""
+    """What a probe needs to replay a model's SDPA call: the tensors' shapes and memory layouts, not their values."""
 
     query: tuple[int, ...]
     key: tuple[int, ...]
@@ -50,6 +50,9 @@ class AttentionCall:
     is_causal: bool
     scale: float | None
     enable_gqa: bool
+    # query, key and value strides: a GPT-2 hands SDPA views into one (batch, tokens, 3 x width) projection, which a
+    # kernel reads otherwise than contiguous heads. None: contiguous.
+    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     def describe(self) -> dict:
         """The decision key: everything that makes one backend faster than another."""
@@ -64,6 +67,7 @@ class AttentionCall:
             "is_causal": self.is_causal,
             "scale": self.scale,
             "enable_gqa": self.enable_gqa,
+            "strides": None if self.strides is None else [list(st) for st in self.strides],
         }
 
 
@@ -95,6 +99,7 @@ class _Capture(TorchFunctionMode):
                 bool(is_causal),
                 scale,
                 bool(kwargs.get("enable_gqa", False)),
+                (q.stride(), k.stride(), v.stride()),
             )
             raise _Seen
         return func(*args, **kwargs)
