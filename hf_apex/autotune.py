@@ -179,9 +179,9 @@ def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[
 
 
 def _random(shape, stride, dtype, device, dense: bool = False) -> torch.Tensor:
-    """Standard-normal values of ``shape`` laid out in memory as ``stride`` says (None: contiguous); ``dense``: no
-    gaps, the dimensions in the order of ``stride``."""
-    if stride is None:
+    """Standard-normal values of ``shape`` laid out in memory as ``stride`` says; ``dense``: no gaps, the dimensions
+    in the order of ``stride``. Contiguous where ``stride`` is None or overlaps itself (an expanded tensor's 0s)."""
+    if stride is None or any(st == 0 and n > 1 for n, st in zip(shape, stride)):
         return torch.randn(shape, dtype=dtype, device=device)
     order = sorted(range(len(shape)), key=lambda d: -stride[d])  # outermost dimension first
     if dense:

@@ -2,6 +2,7 @@
 whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py; the timing
 probe: hf_apex/autotune.py)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,12 +114,15 @@ def test_the_probe_replays_the_call_in_the_models_memory_layout(monkeypatch):
     seen.clear()
     candidates["math"]()
     assert seen == [(view, view, view), (tokens * heads * dim, dim, heads * dim, 1)]
-    contiguous = attention.AttentionCall(
-        *[getattr(call, f) for f in ("query", "key", "value", "dtype", "device")], None, 0.0, True, None, False
-    )
+    contiguous = dataclasses.replace(call, strides=None)
     seen.clear()
     attention_probe(contiguous)[0]["math"]()
     assert seen[0][0] == torch.empty(call.query).stride()
+    # a key and value expanded over the heads (stride 0: one memory location for many elements) replay contiguous
+    expanded = (tokens * dim, 0, dim, 1)
+    seen.clear()
+    attention_probe(dataclasses.replace(call, strides=(view, expanded, expanded)))[0]["math"]()
+    assert seen[0] == (view, torch.empty(call.key).stride(), torch.empty(call.value).stride())
 
 
 def test_a_backend_whose_results_are_off_fails_parity(monkeypatch):

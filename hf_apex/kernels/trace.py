@@ -120,7 +120,8 @@ class KernelProfile:
         # of yours is kept): left in the environment, every child process inherits it. On an H200 (torch 2.11) a
         # child that profiled after a Trainer run had set it hung, and passed in a process that never had it.
         self._teardown_env = os.environ.get("TEARDOWN_CUPTI")
-        os.environ["TEARDOWN_CUPTI"] = self._teardown_env or "1"
+        if self._teardown_env is None:
+            os.environ["TEARDOWN_CUPTI"] = "1"
         self._prof = profile(activities=[ProfilerActivity.CUDA])
         try:
             self._prof.__enter__()
