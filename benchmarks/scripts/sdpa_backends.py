@@ -5,12 +5,12 @@ usage: python benchmarks/scripts/sdpa_backends.py [OUT.json]
 The attention of GPT-2 and of the Llama-architecture model at 16 x 1024 (12 heads of 64, causal) and of BERT-base at
 128 x 128 (12 heads of 64, a padding mask or none), with and without the models' attention dropout (0.1 for GPT-2
 and BERT, none in Llama), with contiguous heads and in GPT-2's own layout (query, key and value are views into one
-(batch, tokens, 3 x 768) projection, and the output's gradient comes back with heads inside tokens), under PyTorch's
-own choice and each backend forced with `torch.nn.attention.sdpa_kernel`. Prints ms per forward + backward (the
-median of up to 20 calls after 3 warm-up calls, CUDA events) and TFLOP/s counting causal attention as half the score
-matrix (as FlashAttention's papers do); a backend that cannot run a shape says why. Used to see what the `fastest`
-rung's attention costs (a profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per
-step).
+(batch, tokens, 3 x 768) projection, and the output's gradient comes back with heads inside tokens; once more with
+those views copied to contiguous heads inside the timed call), under PyTorch's own choice and each backend forced
+with `torch.nn.attention.sdpa_kernel`. Prints ms per forward + backward (the median of up to 20 calls after 3 warm-
+up calls, CUDA events) and TFLOP/s counting causal attention as half the score matrix (as FlashAttention's papers
+do); a backend that cannot run a shape says why. Used to see what the `fastest` rung's attention costs (a profile of
+GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per step).
 """
 
 import json
@@ -29,12 +29,14 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# name -> (batch, heads, tokens, head dim, causal, padding mask, dropout[, "model layout"])
+# name -> (batch, heads, tokens, head dim, causal, padding mask, dropout[, layout]); layout "gpt2": GPT-2's views,
+# "gpt2, copied": the same views made contiguous inside the timed call (what a contiguous-heads wrapper would cost)
 SHAPES = {
     "gpt2 (dropout 0.1)": (16, 12, 1024, 64, True, False, 0.1),
-    "gpt2 layout (dropout 0.1)": (16, 12, 1024, 64, True, False, 0.1, True),
+    "gpt2 layout (dropout 0.1)": (16, 12, 1024, 64, True, False, 0.1, "gpt2"),
+    "gpt2 layout, copied (dropout 0.1)": (16, 12, 1024, 64, True, False, 0.1, "gpt2, copied"),
     "gpt2/llama (no dropout)": (16, 12, 1024, 64, True, False, 0.0),
-    "gpt2 layout (no dropout)": (16, 12, 1024, 64, True, False, 0.0, True),
+    "gpt2 layout (no dropout)": (16, 12, 1024, 64, True, False, 0.0, "gpt2"),
     "bert, padded (dropout 0.1)": (128, 12, 128, 64, False, True, 0.1),
     "bert, padded (no dropout)": (128, 12, 128, 64, False, True, 0.0),
     "bert, no mask (dropout 0.1)": (128, 12, 128, 64, False, False, 0.1),
@@ -42,9 +44,9 @@ SHAPES = {
 
 
 def measure(
-    name: str, b: int, h: int, t: int, d: int, causal: bool, padded: bool, dropout: float, model_layout: bool = False
+    name: str, b: int, h: int, t: int, d: int, causal: bool, padded: bool, dropout: float, layout: str | None = None
 ) -> list[dict]:
-    if model_layout:  # GPT-2: c_attn's output split in three, each viewed as (batch, tokens, heads, dim), transposed
+    if layout:  # GPT-2: c_attn's output split in three, each viewed as (batch, tokens, heads, dim), transposed
         qkv = torch.randn(b, t, 3 * h * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(h * d, dim=2))
         grad = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # from c_proj's input
@@ -60,7 +62,8 @@ def measure(
     flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * 3.5  # the backward 2.5 times the forward
 
     def step():
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+        heads = [x.contiguous() for x in (q, k, v)] if layout == "gpt2, copied" else (q, k, v)
+        y = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, is_causal=causal)
         torch.autograd.grad(y, inputs, grad)
 
     rows = []
