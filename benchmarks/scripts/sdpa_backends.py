@@ -7,10 +7,10 @@ The attention of GPT-2 and of the Llama-architecture model at 16 x 1024 (12 head
 and BERT, none in Llama), with contiguous heads and in GPT-2's own layout (query, key and value are views into one
 (batch, tokens, 3 x 768) projection, and the output's gradient comes back with heads inside tokens; once more with
 those views copied to contiguous heads inside the timed call), under PyTorch's own choice and each backend forced
-with `torch.nn.attention.sdpa_kernel`. Prints ms per forward + backward (the median of up to 20 calls after 3 warm-
-up calls, CUDA events) and TFLOP/s counting causal attention as half the score matrix (as FlashAttention's papers
-do); a backend that cannot run a shape says why. Used to see what the `fastest` rung's attention costs (a profile of
-GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per step).
+with `torch.nn.attention.sdpa_kernel`. Prints ms per forward + backward (the median of up to 20 calls after 3
+warm-up calls, CUDA events) and TFLOP/s counting causal attention as half the score matrix (as FlashAttention's
+papers do); a backend that cannot run a shape says why. Used to see what the `fastest` rung's attention costs (a
+profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per step).
 """
 
 import json
