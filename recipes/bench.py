@@ -282,6 +282,27 @@ def _read_json(path: Path):
         return None
 
 
+# What the runs import, for the fork server to import once. Packages only: the server does not get this script's
+# sys.path (Python 3.11-3.13 pass it and ignore it), so recipes/ modules such as plain_loop cannot be preloaded, and
+# one that fails to import is skipped without a word (tests/test_bench.py checks that these arrive).
+PRELOAD = [
+    "datasets",
+    "transformers.trainer",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("bert", "gpt2", "llama")),
+    "hf_apex.trainer",
+    "hf_apex.autotune",
+    "hf_apex.measure.callback",
+]
+
+
+def use_fork_server() -> None:
+    """Runs started with ``preload`` fork from a server that has imported ``PRELOAD`` once. CUDA is never
+    initialised there: PyTorch's availability checks go through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``), as a
+    forked process cannot use a CUDA its parent initialised."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    multiprocessing.set_forkserver_preload(PRELOAD)
+
+
 def _run_script(script: str, args: list[str], log: str) -> None:
     """What `python script args > log 2>&1` does, in a process forked from the fork server: a fresh process (no
     CUDA context, no compiled code, no allocator state) whose Python imports are already done."""
@@ -308,9 +329,9 @@ class RunFailed(Exception):
 
 def run(cmd: list[str], log: Path, preload: bool = False) -> None:
     """Run ``cmd`` (a new process) with its output in ``log``; :class:`RunFailed` if it fails. ``preload``: a
-    ``python script.py ...`` command starts from the fork server, which has imported torch, transformers and the
-    recipes once for all runs (on an H200 machine a run spent ~14 s before it touched the GPU, for 5-25 s of
-    training)."""
+    ``python script.py ...`` command starts from the fork server (:func:`use_fork_server`), which has imported
+    ``PRELOAD`` once for all runs (on an H200 machine a run spent ~14 s before it touched the GPU, for 5-25 s of
+    training; on a 2-core CPU box the imports took ~3 s of a tiny run's 5)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if preload and cmd[0] == sys.executable and cmd[1].endswith(".py"):
         proc = multiprocessing.get_context("forkserver").Process(target=_run_script, args=(cmd[1], cmd[2:], str(log)))
@@ -345,6 +366,7 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     settings = {"nproc": nproc, "finetune": portable, "plain": want_plain}
     settings_json = run_dir / "bench_settings.json"
     done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
+    seconds = {}  # each process's wall time, start-up and exit included
     if opts.skip_existing and done and _read_json(settings_json) == settings:
         print(f"  {label} kept from {run_dir}", flush=True)
     else:
@@ -354,19 +376,25 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
         launcher = [sys.executable]
         if nproc > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        pair = [lambda: run([*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log", opts.preload)]
+        pair = {"Trainer": [[*launcher, str(HERE / "finetune.py"), *flags], out_dir / f"{run_id}.log"]}
         if want_plain:
             plain_args = finetune_args(name, stage, opts, run_dir / "plain", nproc)
             plain_cmd = [sys.executable, str(HERE / "plain_loop.py"), str(plain_json), *plain_args]
-            pair.append(lambda: run(plain_cmd, out_dir / f"{run_id}-plain.log", opts.preload))
+            pair["plain loop"] = [plain_cmd, out_dir / f"{run_id}-plain.log"]
         # Every other round the plain loop goes first, so a drift of the machine does not fall on it alone (round 1
         # runs the Trainer first: the plain loop then reuses the autotune decisions that run cached).
-        for launch in reversed(pair) if repeat % 2 else pair:
-            launch()
+        for who in reversed(pair) if repeat % 2 else pair:
+            started = time.time()
+            run(*pair[who], opts.preload)
+            seconds[who] = time.time() - started
         settings_json.write_text(json.dumps(settings, indent=1))
     metrics = json.loads(metrics_json.read_text())
     p50 = (metrics.get("step_time_ms") or {}).get("p50")
-    print(f"  {label} p50 {f'{p50:8.1f} ms' if p50 is not None else 'n/a'}  ({time.time() - t0:.0f} s)", flush=True)
+    startup = (metrics.get("run") or {}).get("startup_s")
+    spent = ", ".join(f"{who} {s:.0f} s" for who, s in seconds.items())
+    spent += f"; the Trainer's process started {startup:.0f} s before training" if seconds and startup else ""
+    p50 = f"{p50:8.1f} ms" if p50 is not None else "n/a"
+    print(f"  {label} p50 {p50}  ({time.time() - t0:.0f} s{': ' + spent if spent else ''})", flush=True)
     return metrics, json.loads(plain_json.read_text()) if want_plain else None
 
 
@@ -394,8 +422,8 @@ def main(argv=None) -> int:
         banner += f" | {sizes} processes per run (DDP)"
     print(banner, flush=True)
 
-    if opts.preload:  # imported once in the fork server, inherited by every run forked from it
-        multiprocessing.set_forkserver_preload(["plain_loop"])  # (and through it finetune, torch, transformers)
+    if opts.preload:
+        use_fork_server()
     out_dir = Path(opts.out_dir)
     runs: dict[tuple, list] = {}  # (model, stage, nproc) -> [(metrics, plain-loop result or None)] in run order
     failed = []  # a failed run is reported and left out; the others still run (--skip_existing keeps them)

@@ -282,7 +282,8 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
 PROBE = """
 import json, multiprocessing, os, sys
 seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "start_method": multiprocessing.get_start_method(),
-        "torch_imported_before": "torch" in sys.modules, "name": __name__}
+        "imported_before": sorted(m for m in ("torch", "datasets", "transformers.trainer") if m in sys.modules),
+        "name": __name__}
 print("probe ran")
 json.dump(seen, open(sys.argv[1], "w"))
 if sys.argv[2] == "fail":
@@ -290,12 +291,12 @@ if sys.argv[2] == "fail":
 """
 
 DRIVER = """
-import multiprocessing, sys
+import sys
 from pathlib import Path
 sys.path.insert(0, {recipes!r})
 import bench
 if __name__ == "__main__":
-    multiprocessing.set_forkserver_preload(["plain_loop"])
+    bench.use_fork_server()
     for i, outcome in enumerate(sys.argv[1:]):
         cmd = [sys.executable, {probe!r}, {tmp!r} + f"/seen{{i}}.json", outcome]
         bench.run(cmd, Path({tmp!r}) / f"{{i}}.log", preload=True)
@@ -303,10 +304,10 @@ if __name__ == "__main__":
 
 
 def test_preloaded_runs_start_like_a_new_interpreter_with_the_imports_done(tmp_path):
-    """bench.run(preload=True): each run is a process forked from the fork server, which imported the recipes (and
-    torch) once; the script sees its own argv, the repository as cwd, __main__, and the start method a new
-    interpreter has (its loader workers must not start from the fork server); a failure stops the bench with the
-    log's tail."""
+    """bench.run(preload=True): each run is a process forked from the fork server, which imported what the runs import
+    (torch, datasets, transformers' Trainer...) once; the script sees its own argv, the repository as cwd, __main__,
+    and the start method a new interpreter has (its loader workers must not start from the fork server); a failure
+    stops the bench with the log's tail."""
     probe, driver = tmp_path / "probe.py", tmp_path / "driver.py"
     probe.write_text(PROBE)
     driver.write_text(DRIVER.format(recipes=str(REPO / "recipes"), probe=str(probe), tmp=str(tmp_path)))
@@ -323,7 +324,9 @@ def test_preloaded_runs_start_like_a_new_interpreter_with_the_imports_done(tmp_p
             "argv": [str(tmp_path / f"seen{i}.json"), "ok"],
             "cwd": str(REPO),
             "start_method": default,
-            "torch_imported_before": True,  # the probe imports no torch: the fork server did
+            # the probe imports none of them: the fork server did (transformers.trainer, datasets) or this
+            # script's own re-import in the child, to find bench.run's target (torch)
+            "imported_before": ["datasets", "torch", "transformers.trainer"],
             "name": "__main__",
         }
         assert (tmp_path / f"{i}.log").read_text() == "probe ran\n"

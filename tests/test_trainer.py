@@ -8,7 +8,7 @@ from transformers import Trainer, TrainingArguments
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.kernels.norms import is_swapped
 from hf_apex.kernels.optim import FusedAdamFallback
-from hf_apex.measure.report import METRICS_FILENAME
+from hf_apex.measure.report import METRICS_FILENAME, process_age_s
 from hf_apex.trainer import _fsdp_version, validate_apex_args
 from tests.testing_utils import TokenDataset, tiny_model
 
@@ -168,11 +168,15 @@ def test_stock_trainer_with_the_callback_writes_metrics(tmp_path):
         per_device_train_batch_size=2,
     )
     callback = StageMetricsCallback(stage="custom", warmup_steps=1)
-    Trainer(
+    trainer = Trainer(
         model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls"), callbacks=[callback]
-    ).train()
+    )
+    before = process_age_s()
+    trainer.train()
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
     assert metrics["stage"] == "custom" and metrics["run"]["timed_steps"] == 3
+    # what the process spent before training: at least its age when train() was called, less than its age now
+    assert before <= metrics["run"]["startup_s"] <= process_age_s() - metrics["run"]["wall_time_s"] + 0.05
     assert metrics["tokens_per_s"] > 0 and metrics["samples_per_s"] > 0
     assert metrics["mfu"] is None  # no GPU, no peak: MFU is not invented
     assert not callback._window  # nothing merges the window on a stock Trainer: each log drops it

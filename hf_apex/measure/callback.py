@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from .. import distributed
 from ..kernels import trace
 from .flops import lookup_peak_tflops, model_shape
-from .report import GIB, rates, run_summary, write_metrics_file
+from .report import GIB, process_age_s, rates, run_summary, write_metrics_file
 from .steps import BatchCounter, StepRecord, StepTimer, merge_ranks, resolve_tokens
 
 logger = logging.getLogger("hf_apex")
@@ -66,6 +66,7 @@ class StageMetricsCallback(TrainerCallback):
         self._calls_at_start: dict = {}
         self._shape: dict = {}
         self._started: float | None = None
+        self._startup_s: float | None = None
         self.kernels_verified: dict | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ class StageMetricsCallback(TrainerCallback):
         self._optimizer = optimizer
         self._calls_at_start = trace.collect(model, optimizer)
         self._started = time.time()
+        self._startup_s = process_age_s()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._index += 1
@@ -213,4 +215,5 @@ class StageMetricsCallback(TrainerCallback):
             optimizer=type(inner).__name__ if inner is not None else None,
             started=self._started,
             sections=sections,
+            startup_s=self._startup_s,
         )

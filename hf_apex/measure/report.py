@@ -60,6 +60,18 @@ def rates(records: list[StepRecord], shape: dict, peak_tflops: float | None, wor
     return out
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (a forked process: since the fork), from Linux's /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_summary(
     *,
     stage: str | None,
@@ -75,6 +87,7 @@ def run_summary(
     optimizer: str | None,
     started: float | None,
     sections: dict,
+    startup_s: float | None = None,
 ) -> dict:
     """The run summary: timing after warm-up, throughput, MFU, memory, losses, kernels, provenance."""
     world = max(getattr(args, "world_size", 1), 1)
@@ -103,6 +116,8 @@ def run_summary(
             "first_step_ms": records[0].ms if records else None,
             "seed": args.seed,
             "wall_time_s": time.time() - started if started else None,
+            # from the process's start to train(): imports, data, model, CUDA set-up (None where it is not known)
+            "startup_s": startup_s,
         },
         "step_time_ms": percentiles([r.ms for r in timed]),
         **rates(timed, shape, peak_tflops, world),
