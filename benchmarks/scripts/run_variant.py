@@ -3,7 +3,9 @@ the per-step times, to $OUT/variants.jsonl (the run's log: $OUT/variant_logs/NAM
 usage: OUT=<dir> [MODEL=bert|gpt2|llama] python benchmarks/scripts/run_variant.py NAME NPROC STAGE STEPS [flags...]
 MODEL (default gpt2) picks `make bench`'s model and shape, on the data in .deps/data; 10 warm-up steps, then STEPS.
 Flags after STEPS override the bench's (the last wins; for Llama, a --config_overrides replaces the bench's), e.g.
-`--torch_compile_mode reduce-overhead` or `--attention_backend flash`. Environment variables pass through."""
+`--torch_compile_mode reduce-overhead` or `--attention_backend flash`. Environment variables pass through;
+WRAPPER=<script> runs finetune.py through it (`python WRAPPER recipes/finetune.py ...`, e.g.
+benchmarks/scripts/contiguous_heads.py)."""
 
 import json
 import os
@@ -28,10 +30,12 @@ log = Path(os.environ["OUT"]) / "variant_logs" / f"{name}.log"
 log.parent.mkdir(parents=True, exist_ok=True)
 t0 = time.time()
 with log.open("w") as f:
-    rc = subprocess.run(launcher + ["recipes/finetune.py", *flags], stdout=f, stderr=subprocess.STDOUT).returncode
+    wrapper = [os.environ["WRAPPER"]] if os.environ.get("WRAPPER") else []
+    cmd = launcher + [*wrapper, "recipes/finetune.py", *flags]
+    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 wall = time.time() - t0
 m = out / "hf_apex_metrics.json"
-row = {"name": name, "nproc": nproc, "stage": stage, "rc": rc, "wall_s": round(wall)}
+row = {"name": name, "nproc": nproc, "stage": stage, "rc": rc, "wall_s": round(wall), "wrapper": wrapper or None}
 if m.is_file():
     d = json.loads(m.read_text())
     row.update(
