@@ -83,6 +83,7 @@ def runtime_proof() -> dict:
     sum(o.float().pow(2).mean() for o in outs.values()).backward()
     optimizer.step()
     result = profile.stop()
+    profile.close()
     diffs = {k: float((outs[k].detach() - want[k]).abs().max()) for k in outs}
     return {"kernels": result["apex"], "cuda_kernels": result["cuda_kernels"], "max_abs_diff_vs_torch": diffs}
 

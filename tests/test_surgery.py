@@ -289,9 +289,9 @@ def test_stock_classes_sharing_a_name_get_distinct_swapped_classes(tmp_path):
 
 
 @pytest.mark.parametrize("yours", [None, "0"])
-def test_a_kernel_profile_sets_cupti_teardown_for_its_own_profile_only(monkeypatch, yours):
-    # Kineto reads TEARDOWN_CUPTI when a profile starts and when it stops; the variable must not outlive the profile
-    # (child processes inherit it), and a value of the user's is theirs.
+def test_a_kernel_profile_sets_cupti_teardown_until_it_is_closed(monkeypatch, yours):
+    # Kineto reads TEARDOWN_CUPTI as a profile starts and stops, and when the detach completes at the next CUDA call:
+    # it stays set until close(), then goes (child processes would inherit it); a value of the user's is theirs.
     seen = []
 
     class Profile:  # torch.profiler.profile's protocol, recording the variable where kineto reads it
@@ -314,6 +314,9 @@ def test_a_kernel_profile_sets_cupti_teardown_for_its_own_profile_only(monkeypat
     else:
         monkeypatch.setenv("TEARDOWN_CUPTI", yours)
     for _ in range(2):
-        assert trace.KernelProfile().start().stop()["cuda_kernels"] == 0
-    assert seen == [("start", yours or "1"), ("stop", yours or "1")] * 2
-    assert os.environ.get("TEARDOWN_CUPTI") == yours
+        profile = trace.KernelProfile().start()
+        assert profile.stop()["cuda_kernels"] == 0
+        seen.append(("after stop", os.environ.get("TEARDOWN_CUPTI")))
+        profile.close()
+        assert os.environ.get("TEARDOWN_CUPTI") == yours
+    assert seen == [("start", yours or "1"), ("stop", yours or "1"), ("after stop", yours or "1")] * 2

@@ -104,11 +104,11 @@ def classify_kernels(names) -> dict[str, list[str]]:
 
 
 class KernelProfile:
-    """Profile a region's CUDA kernels (see ``stop``)."""
+    """Profile a region's CUDA kernels (see ``stop``); ``close`` once profiling is over (see ``start``)."""
 
     def __init__(self) -> None:
         self._prof = None
-        self._teardown_env: str | None = None
+        self._set_teardown = False
         self.running = False
 
     def start(self) -> KernelProfile:
@@ -116,32 +116,28 @@ class KernelProfile:
 
         # Detach CUPTI when the profile ends: left attached, it adds host time to every later kernel launch, and
         # a host-bound training step stays 10-20 % slower after one profiled step (pytorch/pytorch#144455).
-        # Kineto reads TEARDOWN_CUPTI when a profile starts and stops, so it is set for this profile only (a value
-        # of yours is kept): left in the environment, every child process inherits it. On an H200 (torch 2.11) a
-        # child that profiled after a Trainer run had set it hung, and passed in a process that never had it.
-        self._teardown_env = os.environ.get("TEARDOWN_CUPTI")
-        if self._teardown_env is None:
+        # Kineto reads TEARDOWN_CUPTI as the profile starts and stops, and again when the detach completes, at the
+        # next CUDA call: unset by then, it attaches CUPTI again. So it stays set until ``close`` (a value of
+        # yours is kept). Left in the environment for good it reaches every later child process: on an H200
+        # (torch 2.11) a child that profiled after a Trainer run had set it hung, and passed without it.
+        if "TEARDOWN_CUPTI" not in os.environ:
             os.environ["TEARDOWN_CUPTI"] = "1"
+            self._set_teardown = True
         self._prof = profile(activities=[ProfilerActivity.CUDA])
-        try:
-            self._prof.__enter__()
-        except BaseException:
-            self._restore_env()
-            raise
+        self._prof.__enter__()
         self.running = True
         return self
 
-    def _restore_env(self) -> None:
-        if self._teardown_env is None:
-            os.environ.pop("TEARDOWN_CUPTI", None)
+    def close(self) -> None:
+        """Take back the TEARDOWN_CUPTI that ``start`` set (not one of yours, nor a value torch wrote since)."""
+        if self._set_teardown and os.environ.get("TEARDOWN_CUPTI") == "1":
+            del os.environ["TEARDOWN_CUPTI"]
+        self._set_teardown = False
 
     def stop(self) -> dict:
         """{"apex": {component: [kernels]}, "sdpa": [SDPA backends whose kernels ran], "cuda_kernels": n}."""
         torch.cuda.synchronize()
-        try:
-            self._prof.__exit__(None, None, None)
-        finally:
-            self._restore_env()
-            self.running = False
+        self._prof.__exit__(None, None, None)
+        self.running = False
         names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return {"apex": classify_kernels(names), "sdpa": sdpa_backends_seen(names), "cuda_kernels": len(names)}

@@ -74,9 +74,7 @@ class StageMetricsCallback(TrainerCallback):
         # A train() that raised never reached on_train_end (auto_find_batch_size retrying after an OOM, an
         # interrupted notebook cell): drop its hook and profiler, or tokens would be counted twice.
         self._counter.detach()
-        if self._profile is not None and self._profile.running:
-            self._profile.stop()
-        self._profile = None
+        self._close_profile()
         self._reset(cuda=torch.cuda.is_available() and args.device.type == "cuda")
         self.stage = self.stage or getattr(args, "stage", None)
         if self._cuda:
@@ -128,11 +126,19 @@ class StageMetricsCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._counter.detach()
+        self._close_profile()  # (CUPTI detached at the step after the profiled one)
         self._flush(final=True)  # a collective under DDP: every rank takes part
         self._window.clear()  # no log follows: the summary holds these steps
         if state.is_world_process_zero:
             path = write_metrics_file(args.output_dir, self.summary(args, state))
             logger.info("hf_apex: stage metrics written to %s", path)
+
+    def _close_profile(self) -> None:
+        if self._profile is not None:
+            if self._profile.running:
+                self._profile.stop()
+            self._profile.close()
+        self._profile = None
 
     # -- reading -------------------------------------------------------------------------------------------
     def _profiled_index(self) -> int:

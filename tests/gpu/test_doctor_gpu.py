@@ -39,12 +39,15 @@ print(len(p.events()) > 0)
 
 def test_a_kernel_profile_leaves_no_cupti_setting_behind(monkeypatch):
     # On an H200 (torch 2.11) a child process that inherited TEARDOWN_CUPTI=1 from a profiled Trainer run hung in
-    # its first profile; hf_apex sets the variable for its own profiles only.
+    # its first profile; hf_apex sets the variable while its own profiling lasts (the Trainer: one train() call).
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     profile = trace.KernelProfile().start()
     x = torch.ones(256, 256, device="cuda")
     (x @ x).sum()
     assert profile.stop()["cuda_kernels"] >= 1
+    (x @ x).sum().item()  # the CUDA call at which kineto completes the detach
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    profile.close()
     assert "TEARDOWN_CUPTI" not in os.environ
     out = subprocess.run([sys.executable, "-c", CHILD_PROFILE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

@@ -55,6 +55,7 @@ def test_fused_norm_matches_torch_and_runs_apex_kernels(kind, hidden, amp):
     profile = trace.KernelProfile().start()
     got_y, got_grads = _run(stock, x, grad_out, amp)
     seen = profile.stop()["apex"]
+    profile.close()
     assert kind in seen, seen  # apex's kernels ran, not torch's (which would pass the tolerance too)
     calls = trace.calls_since(trace.collect(stock), {})[kind]
     assert calls["apex"] == 1 and calls["fallback"] == 0
@@ -74,11 +75,13 @@ def test_under_compile_the_graph_runs_inductors_norm_not_apexs():
     eager = trace.KernelProfile().start()
     norm(x).sum().backward()
     assert "layer_norm" in eager.stop()["apex"]  # the same module, outside a graph, runs apex's kernel
+    eager.close()
     compiled = torch.compile(norm)
     compiled(x).sum().backward()  # compile first, then profile a warm call
     profile = trace.KernelProfile().start()
     y = compiled(x)
     y.sum().backward()
     seen = profile.stop()
+    profile.close()
     assert seen["apex"] == {} and seen["cuda_kernels"] > 0, seen
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (256,), norm.weight, norm.bias))
