@@ -141,7 +141,12 @@ def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[
         grad_out = _random(call.query[:-1] + call.value[-1:], q.stride(), call.dtype, call.device, dense=True)
 
     def run(backend: str, dropout_p: float, dtype: torch.dtype | None = None):
-        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype) if t.is_floating_point() else t)
+        # (the FP32 reference: contiguous, as its values are all that matters and a strided copy would keep the gaps)
+        cast = (
+            (lambda t: t)
+            if dtype is None
+            else (lambda t: t.to(dtype, memory_format=torch.contiguous_format) if t.is_floating_point() else t)
+        )
         inputs = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
         mask = None if call.mask is None else cast(call.mask)
         only = contextlib.nullcontext() if backend == TORCH else sdpa_kernel([attention.BACKENDS[backend]])

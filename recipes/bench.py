@@ -295,12 +295,34 @@ PRELOAD = [
 ]
 
 
-def use_fork_server() -> None:
-    """Runs started with ``preload`` fork from a server that has imported ``PRELOAD`` once. CUDA is never
-    initialised there: PyTorch's availability checks go through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``), as a
-    forked process cannot use a CUDA its parent initialised."""
+def use_fork_server(cuda: bool) -> bool:
+    """Have runs started with ``preload`` fork from a server that imports ``PRELOAD`` once, and check, with a first
+    forked process, that the imports arrived and (``cuda``) that a forked process can use CUDA. False, with the
+    reason printed, where it cannot: then every run starts as a new interpreter. PyTorch's availability checks go
+    through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``) so that none initialises CUDA in the server."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     multiprocessing.set_forkserver_preload(PRELOAD)
+    started = time.time()
+    check = multiprocessing.get_context("forkserver").Process(target=_check_forked, args=(cuda,))
+    check.start()
+    check.join()
+    if check.exitcode != 0:
+        print(
+            f"bench: a process forked from the fork server failed its check (exit {check.exitcode}): every run "
+            "starts as a new interpreter instead",
+            flush=True,
+        )
+        return False
+    print(f"bench: fork server ready in {time.time() - started:.0f} s (its imports serve every run)", flush=True)
+    return True
+
+
+def _check_forked(cuda: bool) -> None:
+    missing = [m for m in PRELOAD if m not in sys.modules]
+    if missing:  # the runs still work, importing these themselves
+        print(f"bench: the fork server did not import {', '.join(missing)}", file=sys.stderr, flush=True)
+    if cuda:
+        torch.zeros(1, device="cuda").add_(1).cpu()
 
 
 def _run_script(script: str, args: list[str], log: str) -> None:
@@ -423,7 +445,7 @@ def main(argv=None) -> int:
     print(banner, flush=True)
 
     if opts.preload:
-        use_fork_server()
+        opts.preload = use_fork_server(cuda)
     out_dir = Path(opts.out_dir)
     runs: dict[tuple, list] = {}  # (model, stage, nproc) -> [(metrics, plain-loop result or None)] in run order
     failed = []  # a failed run is reported and left out; the others still run (--skip_existing keeps them)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
@@ -296,7 +297,7 @@ from pathlib import Path
 sys.path.insert(0, {recipes!r})
 import bench
 if __name__ == "__main__":
-    bench.use_fork_server()
+    print("fork server:", bench.use_fork_server(cuda=False))
     for i, outcome in enumerate(sys.argv[1:]):
         cmd = [sys.executable, {probe!r}, {tmp!r} + f"/seen{{i}}.json", outcome]
         bench.run(cmd, Path({tmp!r}) / f"{{i}}.log", preload=True)
@@ -318,6 +319,8 @@ def test_preloaded_runs_start_like_a_new_interpreter_with_the_imports_done(tmp_p
     ).stdout.strip()
     ok = subprocess.run([sys.executable, str(driver), "ok", "ok"], cwd=tmp_path, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "fork server ready in" in ok.stdout and "fork server: True" in ok.stdout
+    assert "did not import" not in ok.stderr  # every PRELOAD module arrived in the server
     for i in range(2):
         seen = json.loads((tmp_path / f"seen{i}.json").read_text())
         assert seen == {
@@ -333,6 +336,19 @@ def test_preloaded_runs_start_like_a_new_interpreter_with_the_imports_done(tmp_p
     failed = subprocess.run([sys.executable, str(driver), "fail"], cwd=tmp_path, capture_output=True, text=True)
     assert failed.returncode != 0
     assert "failed (exit 1)" in failed.stderr and "the probe failed on purpose" in failed.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose forked processes cannot use CUDA")
+def test_runs_start_as_new_interpreters_where_a_forked_process_fails_its_check(tmp_path):
+    # Here a forked process cannot use CUDA (there is none), as where something had initialised CUDA in the server.
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'recipes')!r})\nimport bench\n"
+        "if __name__ == '__main__':\n    print('fork server:', bench.use_fork_server(cuda=True))\n"
+    )
+    out = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed its check" in out.stdout and "fork server: False" in out.stdout
 
 
 def test_bench_with_two_processes_runs_ddp(generated_data, word_tokenizer, tmp_path):  # noqa: F811

@@ -3,8 +3,10 @@
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
 # steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
 # test) | sdpa | resume:<benchmarks/folder> (its runs/ into .bench/runs, not overwriting) |
-# bench:<model>[:<stage,stage>] (make bench with --skip_existing). DEADLINE: seconds for the whole
-# call; each step gets what is left, and .bench is packed into $OUT/bench.tgz on the way out.
+# bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
+# once every row is kept, else it runs what is missing until the deadline). DEADLINE: seconds for the whole
+# call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step gets what is left, and .bench
+# is packed into $OUT/bench.tgz on the way out.
 # Needs in .deps/: apex/ (a git archive of the apex commit), data/ (a copy of ../shared/data), whl/ (the wheels of
 # ../shared/tools/gpu-wheels: datasets and its two dependencies). TG_ARGS: more pytest flags for testgpu.
 set -o pipefail
@@ -23,27 +25,28 @@ for step in "$@"; do
     setup)
       make install OFFLINE=1 2>&1 | tail -2
       if ! python3 -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
-        make apex OFFLINE=1 APEX_SRC=.deps/apex > $OUT/apex.log 2>&1; echo "apex rc $?"; tail -4 $OUT/apex.log
+        timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex > $OUT/apex.log 2>&1; echo "apex rc $?"
+        tail -4 $OUT/apex.log
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader;;
     testgpu)
-      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout $(left) make test-gpu OFFLINE=1 \
+      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) make test-gpu OFFLINE=1 \
         PYTEST_ARGS="--ignore=tests/gpu/test_fast_stage_gpu.py -p no:cacheprovider -rfEs --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
       echo "test-gpu rc $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $OUT/test-gpu.log | tail -25;;
     fast)
-      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout $(left) python3 -m pytest -p no:cacheprovider \
+      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) python3 -m pytest -p no:cacheprovider \
         -rfEs tests/gpu/test_fast_stage_gpu.py > $OUT/test-fast.log 2>&1
       echo "fast rc $?"; tail -5 $OUT/test-fast.log;;
     sdpa)
-      timeout $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json > $OUT/sdpa.log 2>&1; echo "sdpa rc $?"
+      timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json > $OUT/sdpa.log 2>&1; echo "sdpa rc $?"
       tail -12 $OUT/sdpa.log;;
     resume:*)
-      mkdir -p .bench/runs && cp -rn "${step#resume:}"/runs/. .bench/runs/ && ls .bench/runs | wc -l;;
+      mkdir -p .bench/runs; cp -rn "${step#resume:}"/runs/. .bench/runs/; echo "$(ls .bench/runs | wc -l) entries in .bench/runs";;
     bench:*)
       IFS=: read -r _ model stages <<< "$step"
-      timeout $(left) make bench OFFLINE=1 BENCH_MODELS=$model ${stages:+BENCH_STAGES="${stages//,/ }"} \
-        BENCH_ARGS="--data_dir .deps/data --skip_existing" >> $OUT/bench-$model.log 2>&1
-      echo "bench $model rc $?"; grep -E "p50|failed|Error" $OUT/bench-$model.log | tail -40;;
+      timeout -k 10 $(left) make bench OFFLINE=1 BENCH_MODELS=$model ${stages:+BENCH_STAGES="${stages//,/ }"} \
+        BENCH_ARGS="--data_dir .deps/data --skip_existing" >> $OUT/bench-${model:-all}.log 2>&1
+      echo "bench ${model:-all} rc $?"; grep -E "bench:|p50|failed|Error" $OUT/bench-${model:-all}.log | tail -40;;
   esac
 done
 echo "=== done at ${SECONDS}s"

@@ -72,7 +72,8 @@ def measure(
         try:
             if sdp is None:
                 row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)  # (this first call settles the priority)
-                picked = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+                heads = [x.contiguous() for x in (q, k, v)] if layout == "gpt2, copied" else (q, k, v)
+                picked = torch._fused_sdp_choice(*heads, attn_mask=mask, dropout_p=dropout, is_causal=causal)
                 row["picked"] = SDPBackend(picked).name  # which backend PyTorch's choice is
             else:
                 with sdpa_kernel([sdp]):

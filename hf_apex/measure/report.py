@@ -61,15 +61,15 @@ def rates(records: list[StepRecord], shape: dict, peak_tflops: float | None, wor
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (a forked process: since the fork), from Linux's /proc; None elsewhere."""
+    """Seconds since this process started (a forked process: since the fork), on Linux; None elsewhere."""
     try:
         with open("/proc/self/stat") as f:
-            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 2)
-    except (OSError, ValueError, IndexError):
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: ticks after boot
+        # (the kernel's clock since boot, not /proc/uptime, which a container may report from its own start)
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
+    return round(age, 2) if age >= 0 else None
 
 
 def run_summary(
