@@ -488,7 +488,7 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
     monkeypatch.setattr(bench, "run", fake_run)
     flags = "--tiny --models gpt2 --stages baseline fused_full --nproc 1 2 --steps 4 --warmup 1 --batch gpt2=3"
     monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: {})  # no chart: fast
-    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 0
+    assert bench.main([*flags.split(), "--no_preload", "--out_dir", str(tmp_path)]) == 0
     assert [log for _, log in launched] == [
         "gpt2-baseline.log",
         "gpt2-baseline-plain.log",
@@ -531,7 +531,7 @@ def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, monkeypatch
     written = {}
     monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: written.update(config) or {})
     flags = "--tiny --models gpt2 --stages baseline fused_full auto --steps 4 --warmup 1 --batch gpt2=3"
-    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 1
+    assert bench.main([*flags.split(), "--no_preload", "--out_dir", str(tmp_path)]) == 1
     assert "gpt2-auto.log" in launched and "gpt2-fused_full-plain.log" not in launched  # on after the failure
     printed = capsys.readouterr().out
     assert "CUDA error: out of memory" in printed  # the failed run's log tail, where it happened
@@ -577,7 +577,7 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
     monkeypatch.setattr(bench, "run", fake_run)
     monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: {})
     flags = "--tiny --models gpt2 --stages baseline fused_full --repeats 2 --steps 4 --warmup 1 --batch gpt2=3"
-    assert bench.main([*flags.split(), "--out_dir", str(tmp_path)]) == 0
+    assert bench.main([*flags.split(), "--no_preload", "--out_dir", str(tmp_path)]) == 0
     assert launched == [
         "gpt2-baseline.log",
         "gpt2-baseline-plain.log",
