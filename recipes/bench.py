@@ -414,7 +414,8 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     p50 = (metrics.get("step_time_ms") or {}).get("p50")
     startup = (metrics.get("run") or {}).get("startup_s")
     spent = ", ".join(f"{who} {s:.0f} s" for who, s in seconds.items())
-    spent += f"; the Trainer's process started {startup:.0f} s before training" if seconds and startup else ""
+    if seconds and startup is not None:
+        spent += f"; the Trainer's process started {startup:.0f} s before training"
     p50 = f"{p50:8.1f} ms" if p50 is not None else "n/a"
     print(f"  {label} p50 {p50}  ({time.time() - t0:.0f} s{': ' + spent if spent else ''})", flush=True)
     return metrics, json.loads(plain_json.read_text()) if want_plain else None
