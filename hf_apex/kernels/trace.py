@@ -123,8 +123,12 @@ class KernelProfile:
         if "TEARDOWN_CUPTI" not in os.environ:
             os.environ["TEARDOWN_CUPTI"] = "1"
             self._set_teardown = True
-        self._prof = profile(activities=[ProfilerActivity.CUDA])
-        self._prof.__enter__()
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            self._prof.__enter__()
+        except BaseException:
+            self.close()
+            raise
         self.running = True
         return self
 
