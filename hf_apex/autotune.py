@@ -141,12 +141,11 @@ def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[
         grad_out = _random(call.query[:-1] + call.value[-1:], q.stride(), call.dtype, call.device, dense=True)
 
     def run(backend: str, dropout_p: float, dtype: torch.dtype | None = None):
-        # (the FP32 reference: contiguous, as its values are all that matters and a strided copy would keep the gaps)
-        cast = (
-            (lambda t: t)
-            if dtype is None
-            else (lambda t: t.to(dtype, memory_format=torch.contiguous_format) if t.is_floating_point() else t)
-        )
+        def cast(t: torch.Tensor) -> torch.Tensor:  # (the FP32 reference: contiguous, its values are what matters)
+            if dtype is None or not t.is_floating_point():
+                return t
+            return t.to(dtype, memory_format=torch.contiguous_format)
+
         inputs = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
         mask = None if call.mask is None else cast(call.mask)
         only = contextlib.nullcontext() if backend == TORCH else sdpa_kernel([attention.BACKENDS[backend]])
@@ -188,11 +187,9 @@ def _random(shape, stride, dtype, device, dense: bool = False) -> torch.Tensor:
     in the order of ``stride``. Contiguous where ``stride`` is None or overlaps itself (an expanded tensor's 0s)."""
     if stride is None or any(st == 0 and n > 1 for n, st in zip(shape, stride)):
         return torch.randn(shape, dtype=dtype, device=device)
-    order = sorted(range(len(shape)), key=lambda d: -stride[d])  # outermost dimension first
     if dense:
-        return torch.randn([shape[d] for d in order], dtype=dtype, device=device).permute(
-            [order.index(d) for d in range(len(shape))]
-        )
+        order = sorted(range(len(shape)), key=lambda d: -stride[d])  # outermost dimension first
+        return torch.empty_permuted(shape, order, dtype=dtype, device=device).normal_()
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).normal_()
 
 

@@ -61,9 +61,11 @@ def measure(
         mask = keep.expand(b, 1, t, t)
     flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * 3.5  # the backward 2.5 times the forward
 
+    def heads():  # what SDPA is handed (the copies inside the timed call, where they are part of the cost)
+        return [x.contiguous() for x in (q, k, v)] if layout == "gpt2, copied" else (q, k, v)
+
     def step():
-        heads = [x.contiguous() for x in (q, k, v)] if layout == "gpt2, copied" else (q, k, v)
-        y = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+        y = F.scaled_dot_product_attention(*heads(), attn_mask=mask, dropout_p=dropout, is_causal=causal)
         torch.autograd.grad(y, inputs, grad)
 
     rows = []
@@ -72,8 +74,7 @@ def measure(
         try:
             if sdp is None:
                 row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)  # (this first call settles the priority)
-                heads = [x.contiguous() for x in (q, k, v)] if layout == "gpt2, copied" else (q, k, v)
-                picked = torch._fused_sdp_choice(*heads, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+                picked = torch._fused_sdp_choice(*heads(), attn_mask=mask, dropout_p=dropout, is_causal=causal)
                 row["picked"] = SDPBackend(picked).name  # which backend PyTorch's choice is
             else:
                 with sdpa_kernel([sdp]):
