@@ -215,6 +215,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
     fallback = any(c.get("fallback", 0) for c in calls.values())
     if metrics["kernels"].get("profiled") is None:
         verified = "not profiled (no CUDA)" if not (metrics.get("provenance") or {}).get("gpu") else "not profiled"
+    elif metrics["kernels"]["profiled"].get("cuda_kernels") == 0:  # an empty profile proves nothing either way
+        verified = "unverified (the profiler recorded no CUDA kernel)"
     else:
         verified = ", ".join(sorted(profiled)) or "none (torch only)"
     sdpa = (metrics["kernels"].get("profiled") or {}).get("sdpa")

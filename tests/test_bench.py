@@ -107,6 +107,8 @@ def test_rows_ratios_and_table():
     assert row_from_metrics("bert", fastest).kernels_verified == "none (torch only); SDPA flash (chosen, not profiled)"
     fastest["kernels"]["profiled"]["sdpa"] = ["cudnn"]  # what the profiled step ran says more than the choice
     assert row_from_metrics("bert", fastest).kernels_verified == "none (torch only); SDPA cudnn"
+    empty = _metrics("fused_full", 50.0, 5.0, [2.1] * 5, apex_calls, {"apex": {}, "sdpa": [], "cuda_kernels": 0})
+    assert row_from_metrics("bert", empty).kernels_verified == "unverified (the profiler recorded no CUDA kernel)"
 
 
 def _steps(median: float, n: int, seed: int) -> list[float]:

@@ -25,7 +25,13 @@ def contiguous_heads_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 if __name__ == "__main__":
-    AttentionInterface.register("sdpa", contiguous_heads_sdpa)
+    # Registered from this file imported under its own name: runpy puts the recipe in sys.modules["__main__"], and a
+    # function of this __main__ would have torch.compile's guards look its globals up in the recipe (2026-12-01, H200:
+    # "module '__main__' has no attribute 'sdpa_attention_forward'").
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import contiguous_heads
+
+    AttentionInterface.register("sdpa", contiguous_heads.contiguous_heads_sdpa)
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

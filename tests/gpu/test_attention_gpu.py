@@ -66,8 +66,8 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
     assert ran == ({trainer.sdpa_backend} if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
     assert fastest["kernels"]["attention_backend"] == trainer.sdpa_backend
     if trainer.sdpa_backend in ("flash", "cudnn", "efficient"):  # the metrics' own profile names it from its kernels
-        assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.sdpa_backend]
-    assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran - {"math"})
+        assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.sdpa_backend], fastest["kernels"]["profiled"]
+    assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran - {"math"}), default["kernels"]["profiled"]
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5
     )
@@ -94,3 +94,40 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert OPS[backend] in out.stdout and OPS["cudnn"] not in out.stdout, out.stdout
+
+
+# Two of hf_apex's kernel profiles in one process, the first closed as a Trainer run closes it, then each backend's
+# training call profiled alone: each profile records its backend by its kernels' names. On an H200 the metrics of a
+# second Trainer run in a pytest process once named no SDPA backend while FlashAttention ran (2026-12-01).
+PROFILES = """
+import json, torch
+from hf_apex.kernels import attention, trace
+q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+def call():
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
+seen = {}
+for backend in ("flash", "cudnn", "efficient", "flash"):
+    with attention.preferring(backend):
+        call()  # warm: the profile holds one training call
+        profile = trace.KernelProfile().start()
+        call()
+        result = profile.stop()
+    (q @ k.transpose(-1, -2)).sum().item()  # the CUDA call at which kineto completes CUPTI's detach
+    profile.close()
+    seen.setdefault(backend, []).append({"sdpa": result["sdpa"], "cuda_kernels": result["cuda_kernels"]})
+print(json.dumps(seen))
+"""
+
+
+def test_every_kernel_profile_of_a_process_names_the_sdpa_backend_that_ran():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("TEARDOWN_CUPTI", None)
+    out = subprocess.run([sys.executable, "-c", PROFILES], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(p["cuda_kernels"] > 0 for profiles in seen.values() for p in profiles), seen
+    assert {b: [p["sdpa"] for p in profiles] for b, profiles in seen.items()} == {
+        "flash": [["flash"], ["flash"]],
+        "cudnn": [["cudnn"]],
+        "efficient": [["efficient"]],
+    }, seen
