@@ -16,8 +16,9 @@ Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (r
 short to repay compilation, see ``compile_min_steps``; under ``torch.compile`` wraps the data collator so that an
 all-ones attention mask is left out), ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
-trainer's switches), ``training_step`` (with autotune, the run's first step first times the model's forward and
-backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
+trainer's switches), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of the model's
+outputs out unless ``fp32_outputs``; with autotune, it first times the model's forward and backward on its batch
+with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
 ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
 ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the
 checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges
@@ -34,8 +35,10 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from types import MethodType
 
 import torch
+from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -133,6 +136,19 @@ def _keep_fp32_strict() -> None:
         torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
+def drop_fp32_outputs(model: nn.Module) -> bool:
+    """Undo accelerate's conversion of ``model``'s outputs to FP32 under autocast, keeping its autocast; True if
+    there was one. accelerate wraps the forward of the model it prepares: autocast inside, the conversion outside
+    (``ConvertOutputsToFp32``)."""
+    forward = model.__dict__.get("forward")
+    converting = getattr(forward, "__wrapped__", None)
+    if "_original_forward" not in model.__dict__ or not isinstance(converting, ConvertOutputsToFp32):
+        return False
+    autocast_forward = converting.model_forward  # unbound when the forward was a method, as accelerate found it
+    model.forward = MethodType(autocast_forward, model) if isinstance(forward, MethodType) else autocast_forward
+    return True
+
+
 class DropFullAttentionMask:
     """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means). Under
     ``torch.compile`` transformers cannot look at the mask's values and builds the full mask, which keeps SDPA off
@@ -162,6 +178,8 @@ class ApexTrainer(Trainer):
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
     _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
+    _outputs_to_keep = False  # the next training step first leaves out accelerate's FP32 output conversion
+    fp32_outputs_dropped = False  # whether this run's training forwards return outputs in the autocast dtype
     sdpa_backend: str | None = None  # the SDPA backend put first for this run's steps (None: PyTorch's choice)
 
     def __init__(self, *args, **kwargs):
@@ -219,6 +237,7 @@ class ApexTrainer(Trainer):
                 self._apply_model_switches(self.model)
             self._norms_to_tune = self._tunes_norms_in_step()
             self._attention_to_tune = self.args.attention_backend == "fastest"
+            self._outputs_to_keep = not self.args.fp32_outputs
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
@@ -239,6 +258,9 @@ class ApexTrainer(Trainer):
         )
 
     def training_step(self, model, inputs, *args, **kwargs):
+        if self._outputs_to_keep:  # (accelerate wrapped the forward when train() prepared the model)
+            self._outputs_to_keep = False
+            self.fp32_outputs_dropped = drop_fp32_outputs(self.model)
         if self._norms_to_tune:
             self._norms_to_tune = False
             self._choose_norms(self._prepare_inputs(inputs))
@@ -403,6 +425,8 @@ class ApexTrainer(Trainer):
             kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
+        if self.fp32_outputs_dropped:
+            kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "lm_loss": self.loss_fusion,

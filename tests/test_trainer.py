@@ -457,3 +457,20 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     assert not metrics["run"]["torch_compile"] and metrics["kernels"]["torch_compile"].startswith("not used: ")
     asked = ApexTrainer(tiny_model("gpt2").train(), train_args(tmp_path / "c", torch_compile=True, max_steps=2))
     assert asked.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR  # (what the check above sees)
+
+
+@pytest.mark.parametrize("fp32_outputs", [False, True])
+def test_training_outputs_stay_in_the_autocast_dtype_unless_asked(fp32_outputs, tmp_path):
+    """accelerate converts a prepared model's outputs to FP32 under autocast (a full FP32 copy of the logits each
+    step); ApexTrainer leaves that out of training steps, keeping the autocast and the FP32 loss."""
+    model = tiny_model("gpt2").train()
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append((out.logits.dtype, out.loss.dtype)))
+    args = train_args(tmp_path, stage="torch_fused", max_steps=2, fp32_outputs=fp32_outputs)
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer.train()
+    logits = torch.float32 if fp32_outputs else torch.bfloat16
+    assert seen == [(logits, torch.float32)] * 2
+    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
+    assert ("model_outputs" in kernels) is not fp32_outputs
+    trainer.evaluate(TokenDataset(n=8))  # evaluation still runs, its logits converted on the host
