@@ -104,10 +104,12 @@ class ApexTrainingArguments(TrainingArguments):
             pieces (DDP's compiled overlap splits the graph at bucket boundaries) than torch's 25 MB.
         fp32_outputs (`bool`, *optional*, defaults to `False`):
             Not a `TrainingArguments` field: under autocast accelerate converts every output of the model's forward
-            to FP32, and `True` keeps that. `False` (in training steps) leaves the outputs in the autocast dtype: the
-            loss is FP32 either way (transformers computes it in FP32 inside the forward), and the conversion is a
-            full FP32 copy of the logits each step (GPT-2 at 16 x 1024: 3.3 GB written). Evaluation converts the
-            logits to FP32 on the host, as before.
+            to FP32, and `True` keeps that. `False` leaves the outputs in the autocast dtype from the first training
+            step on: the loss is FP32 either way (transformers computes it in FP32 inside the forward), and the
+            conversion is a full FP32 copy of the logits each step (GPT-2 at 16 x 1024: 3.3 GB written). Evaluation
+            after it gets BF16/FP16 logits too: a `preprocess_logits_for_metrics` of yours sees that dtype, and
+            `compute_metrics` gets FP32 arrays under BF16 (the Trainer converts them: NumPy has no bfloat16) and
+            float16 arrays under FP16.
         accelerator_config (`dict`, *optional*, defaults to `{"non_blocking": True}` with pinned memory):
             Batches are copied to the GPU asynchronously from pinned memory; accelerate's default copy waits for
             the GPU to finish the previous step. Any `accelerator_config` you pass is used as given.
