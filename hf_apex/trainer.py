@@ -17,7 +17,7 @@ short to repay compilation, see ``compile_min_steps``; under ``torch.compile`` w
 all-ones attention mask is left out), ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
 trainer's switches), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of the model's
-outputs out unless ``fp32_outputs``; with autotune, it first times the model's forward and backward on its batch
+outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and backward on its batch
 with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
 ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
 ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the
@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from types import MethodType
 
@@ -136,14 +137,27 @@ def _keep_fp32_strict() -> None:
         torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
-def drop_fp32_outputs(model: nn.Module) -> bool:
-    """Undo accelerate's conversion of ``model``'s outputs to FP32 under autocast, keeping its autocast; True if
-    there was one. accelerate wraps the forward of the model it prepares: autocast inside, the conversion outside
-    (``ConvertOutputsToFp32``)."""
+# The FP32-converting forwards taken off models (weakly held: a model can be freed), to put back when a later run
+# asks for FP32 outputs again.
+_CONVERTING_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def set_fp32_outputs(model: nn.Module, fp32: bool) -> bool:
+    """Whether ``model``'s outputs stay in the autocast dtype after this: with ``fp32=False``, take accelerate's
+    conversion of its outputs to FP32 off its forward and keep accelerate's autocast; with ``fp32=True``, put back
+    a conversion taken off earlier. accelerate wraps the forward of the model it prepares under native AMP:
+    autocast inside, the conversion (``ConvertOutputsToFp32``) outside."""
+    if fp32:
+        if model in _CONVERTING_FORWARDS:
+            model.forward = _CONVERTING_FORWARDS.pop(model)
+        return False
+    if model in _CONVERTING_FORWARDS:  # taken off by an earlier run of the same model
+        return True
     forward = model.__dict__.get("forward")
     converting = getattr(forward, "__wrapped__", None)
     if "_original_forward" not in model.__dict__ or not isinstance(converting, ConvertOutputsToFp32):
         return False
+    _CONVERTING_FORWARDS[model] = forward
     autocast_forward = converting.model_forward  # unbound when the forward was a method, as accelerate found it
     model.forward = MethodType(autocast_forward, model) if isinstance(forward, MethodType) else autocast_forward
     return True
@@ -178,8 +192,8 @@ class ApexTrainer(Trainer):
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
     _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
-    _outputs_to_keep = False  # the next training step first leaves out accelerate's FP32 output conversion
-    fp32_outputs_dropped = False  # whether this run's training forwards return outputs in the autocast dtype
+    _outputs_to_set = False  # the next training step first sets the model's output dtype (fp32_outputs)
+    fp32_outputs_dropped = False  # whether this run's forwards return outputs in the autocast dtype
     sdpa_backend: str | None = None  # the SDPA backend put first for this run's steps (None: PyTorch's choice)
 
     def __init__(self, *args, **kwargs):
@@ -237,7 +251,7 @@ class ApexTrainer(Trainer):
                 self._apply_model_switches(self.model)
             self._norms_to_tune = self._tunes_norms_in_step()
             self._attention_to_tune = self.args.attention_backend == "fastest"
-            self._outputs_to_keep = not self.args.fp32_outputs
+            self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
@@ -258,9 +272,12 @@ class ApexTrainer(Trainer):
         )
 
     def training_step(self, model, inputs, *args, **kwargs):
-        if self._outputs_to_keep:  # (accelerate wrapped the forward when train() prepared the model)
-            self._outputs_to_keep = False
-            self.fp32_outputs_dropped = drop_fp32_outputs(self.model)
+        if self._outputs_to_set:  # (accelerate wrapped the forward when train() prepared the model)
+            self._outputs_to_set = False
+            self.fp32_outputs_dropped = set_fp32_outputs(
+                self.accelerator.unwrap_model(self.model, keep_torch_compile=False),  # (FSDP1: self.model wraps it)
+                fp32=self.args.fp32_outputs or self._loss_reads_outputs(),
+            )
         if self._norms_to_tune:
             self._norms_to_tune = False
             self._choose_norms(self._prepare_inputs(inputs))
@@ -278,6 +295,15 @@ class ApexTrainer(Trainer):
                     "step); this model needs it: pass --ddp_find_unused_parameters true."
                 ) from error
             raise
+
+    def _loss_reads_outputs(self) -> bool:
+        """Whether the training loss is computed from the model's outputs outside its forward (label smoothing, a
+        ``compute_loss_func``, a ``compute_loss`` of a subclass): from FP32 outputs, as accelerate gives them."""
+        return (
+            getattr(self, "label_smoother", None) is not None
+            or getattr(self, "compute_loss_func", None) is not None
+            or type(self).compute_loss is not Trainer.compute_loss
+        )
 
     def _choose_norms(self, inputs: dict) -> None:
         raw = self.model  # unwrapped: no DDP hooks or collectives in the timed passes (rank 0 times alone)
@@ -427,6 +453,8 @@ class ApexTrainer(Trainer):
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
         if self.fp32_outputs_dropped:
             kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"
+        elif not self.args.fp32_outputs and self._loss_reads_outputs() and (self.args.bf16 or self.args.fp16):
+            kernels["model_outputs"] = "FP32 (accelerate's conversion kept: the loss is computed from the outputs)"
         return {
             "rewire": self.rewire_report.to_dict() if self.rewire_report else None,
             "lm_loss": self.loss_fusion,

@@ -106,10 +106,12 @@ class ApexTrainingArguments(TrainingArguments):
             Not a `TrainingArguments` field: under autocast accelerate converts every output of the model's forward
             to FP32, and `True` keeps that. `False` leaves the outputs in the autocast dtype from the first training
             step on: the loss is FP32 either way (transformers computes it in FP32 inside the forward), and the
-            conversion is a full FP32 copy of the logits each step (GPT-2 at 16 x 1024: 3.3 GB written). Evaluation
-            after it gets BF16/FP16 logits too: a `preprocess_logits_for_metrics` of yours sees that dtype, and
+            conversion is a full FP32 copy of the logits each step (GPT-2 at 16 x 1024: 3.3 GB written). Where the
+            Trainer computes the loss from the outputs instead (label smoothing, a `compute_loss_func`, a
+            `compute_loss` of a subclass), the conversion stays. Evaluation after the first training step gets
+            BF16/FP16 logits too (before it, FP32): a `preprocess_logits_for_metrics` of yours sees that dtype, and
             `compute_metrics` gets FP32 arrays under BF16 (the Trainer converts them: NumPy has no bfloat16) and
-            float16 arrays under FP16.
+            float16 arrays under FP16. The metrics JSON's `kernels.model_outputs` says which ran.
         accelerator_config (`dict`, *optional*, defaults to `{"non_blocking": True}` with pinned memory):
             Batches are copied to the GPU asynchronously from pinned memory; accelerate's default copy waits for
             the GPU to finish the previous step. Any `accelerator_config` you pass is used as given.

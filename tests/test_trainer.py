@@ -459,13 +459,18 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     assert asked.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR  # (what the check above sees)
 
 
+def _output_dtypes(model):
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append((out.logits.dtype, getattr(out.loss, "dtype", None))))
+    return seen
+
+
 @pytest.mark.parametrize("fp32_outputs", [False, True])
 def test_training_outputs_stay_in_the_autocast_dtype_unless_asked(fp32_outputs, tmp_path):
     """accelerate converts a prepared model's outputs to FP32 under autocast (a full FP32 copy of the logits each
-    step); ApexTrainer leaves that out of training steps, keeping the autocast and the FP32 loss."""
+    step); ApexTrainer leaves that out, keeping the autocast and the FP32 loss the model computes."""
     model = tiny_model("gpt2").train()
-    seen = []
-    model.register_forward_hook(lambda m, args, out: seen.append((out.logits.dtype, out.loss.dtype)))
+    seen = _output_dtypes(model)
     args = train_args(tmp_path, stage="torch_fused", max_steps=2, fp32_outputs=fp32_outputs)
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
     trainer.train()
@@ -473,4 +478,24 @@ def test_training_outputs_stay_in_the_autocast_dtype_unless_asked(fp32_outputs, 
     assert seen == [(logits, torch.float32)] * 2
     kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
     assert ("model_outputs" in kernels) is not fp32_outputs
-    trainer.evaluate(TokenDataset(n=8))  # evaluation still runs, its logits converted on the host
+    seen.clear()
+    trainer.train()  # a second run of the same trainer: the model is prepared once, the dtype is kept and reported
+    assert seen == [(logits, torch.float32)] * 2 and trainer.fp32_outputs_dropped is not fp32_outputs
+    trainer.args.fp32_outputs = not fp32_outputs  # and a later run that asks for the other gets it
+    seen.clear()
+    trainer.train()
+    assert seen == [(torch.bfloat16 if fp32_outputs else torch.float32, torch.float32)] * 2
+
+
+def test_a_loss_computed_from_the_outputs_gets_them_in_fp32(tmp_path):
+    """Label smoothing (like a compute_loss_func or a subclass's compute_loss) computes the loss from the logits
+    outside the forward (the model gets no labels): accelerate's FP32 conversion stays, so the loss is the stock
+    Trainer's."""
+    model = tiny_model("gpt2").train()
+    seen = _output_dtypes(model)
+    args = train_args(tmp_path, stage="torch_fused", max_steps=2, label_smoothing_factor=0.1)
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert [logits for logits, _ in seen] == [torch.float32] * 2 and not trainer.fp32_outputs_dropped
+    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
+    assert kernels["model_outputs"].startswith("FP32 (accelerate's conversion kept")

@@ -96,9 +96,10 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
     assert OPS[backend] in out.stdout and OPS["cudnn"] not in out.stdout, out.stdout
 
 
-# Two of hf_apex's kernel profiles in one process, the first closed as a Trainer run closes it, then each backend's
-# training call profiled alone: each profile records its backend by its kernels' names. On an H200 the metrics of a
-# second Trainer run in a pytest process once named no SDPA backend while FlashAttention ran (2026-12-01).
+# hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it and followed by
+# a CPU-only profile (as the test above runs between its two Trainer runs), each around one backend's training call:
+# each records its backend by its kernels' names. On an H200 the metrics of the second Trainer run in a pytest
+# process once named no SDPA backend while FlashAttention ran (2026-12-01).
 PROFILES = """
 import json, torch
 from hf_apex.kernels import attention, trace
@@ -114,6 +115,8 @@ for backend in ("flash", "cudnn", "efficient", "flash"):
         result = profile.stop()
     (q @ k.transpose(-1, -2)).sum().item()  # the CUDA call at which kineto completes CUPTI's detach
     profile.close()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        call()
     seen.setdefault(backend, []).append({"sdpa": result["sdpa"], "cuda_kernels": result["cuda_kernels"]})
 print(json.dumps(seen))
 """
@@ -122,7 +125,7 @@ print(json.dumps(seen))
 def test_every_kernel_profile_of_a_process_names_the_sdpa_backend_that_ran():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("TEARDOWN_CUPTI", None)
-    out = subprocess.run([sys.executable, "-c", PROFILES], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROFILES], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(p["cuda_kernels"] > 0 for profiles in seen.values() for p in profiles), seen
