@@ -153,8 +153,8 @@ def format_report(report: dict) -> str:
                     lines.append(f"    {component:<12}{name}")
             diffs = ", ".join(f"{k} {v:.2e}" for k, v in proof["max_abs_diff_vs_torch"].items())
             lines.append(f"    max |apex - torch| forward: {diffs}")
-        else:
-            lines.append(f"    {proof}")
+        else:  # {"skipped": why} or {"error": what}
+            lines += [f"    {key}: {value}" for key, value in proof.items()]
     if report["ok"]:
         lines.append("  OK: apex kernels are available and ran.")
     else:

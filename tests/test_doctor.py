@@ -21,6 +21,7 @@ def test_doctor_without_a_gpu_says_so_and_strict_fails(capsys, monkeypatch):
     assert doctor.main(["--strict"]) == 1
     text = capsys.readouterr().out
     assert "NOT OK" in text and "GPU            none: no CUDA GPU is visible" in text and "NVIDIA GPUs only" in text
+    assert "    skipped: needs a CUDA GPU and both apex extensions" in text  # said, not a dict printed
 
 
 def test_console_script_and_module_entry_points():
