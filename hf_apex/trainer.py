@@ -13,10 +13,10 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too
-short to repay compilation, see ``compile_min_steps``; under ``torch.compile`` wraps the data collator so that an
-all-ones attention mask is left out), ``train`` (starts a run: strict FP32 when
+short to repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention
+mask is left out, see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when
 ``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
-trainer's switches), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of the model's
+trainer's switches, its SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of the model's
 outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and backward on its batch
 with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
 ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
@@ -46,7 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
 from .kernels.attention import capture as capture_attention
-from .kernels.attention import preferring
+from .kernels.attention import STATIC_MASKS, preferring, use_static_masks
 from .kernels.availability import blocker, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
@@ -164,9 +164,10 @@ def set_fp32_outputs(model: nn.Module, fp32: bool) -> bool:
 
 
 class DropFullAttentionMask:
-    """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means). Under
-    ``torch.compile`` transformers cannot look at the mask's values and builds the full mask, which keeps SDPA off
-    its causal flash kernel; without one it passes ``is_causal``. It runs on the CPU batch, in the loader's workers."""
+    """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means), so that the
+    model's mask is decided without reading a tensor (:data:`~hf_apex.kernels.attention.STATIC_MASKS`): no mask,
+    SDPA's ``is_causal``, and no host-device sync. It runs on the CPU batch, in the loader's workers. A batch with
+    ``position_ids`` keeps its mask: without one, transformers would read packed sequences from the positions."""
 
     def __init__(self, collator):
         self.collator = collator
@@ -174,7 +175,7 @@ class DropFullAttentionMask:
     def __call__(self, features):
         batch = self.collator(features)
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if torch.is_tensor(mask) and bool(mask.all()):
+        if torch.is_tensor(mask) and "position_ids" not in batch and bool(mask.all()):
             batch = {k: v for k, v in batch.items() if k != "attention_mask"}
         return batch
 
@@ -188,6 +189,7 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
+    static_masks = False  # whether the model's SDPA masks are decided without reading a tensor (STATIC_MASKS)
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
@@ -233,7 +235,7 @@ class ApexTrainer(Trainer):
                 "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
                 "(Inductor fuses it), not apex's kernel. This is recorded in the metrics JSON."
             )
-        if self.args.torch_compile and self.args.drop_full_attention_mask and self.data_collator is not None:
+        if self.args.drop_full_attention_mask and self.data_collator is not None:
             self.data_collator = DropFullAttentionMask(self.data_collator)
         if self.args.stage_metrics:
             self.stage_metrics = self.create_stage_metrics_callback()
@@ -361,6 +363,7 @@ class ApexTrainer(Trainer):
     def _apply_model_switches(self, model: nn.Module) -> None:
         self.rewire_report = self.rewire_model(model)
         self.loss_fusion = self.fuse_loss(model)
+        self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask)
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
@@ -448,7 +451,11 @@ class ApexTrainer(Trainer):
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
         if isinstance(self.data_collator, DropFullAttentionMask):
-            kernels["attention_mask"] = "left out of batches where it is all ones (SDPA then takes is_causal)"
+            kernels["attention_mask"] = "left out of batches where it is all ones"
+        if self.static_masks:
+            kernels["attention_masks"] = (
+                f"{STATIC_MASKS}: decided without reading a tensor (no padding: no mask, SDPA's is_causal)"
+            )
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
         if self.fp32_outputs_dropped:

@@ -49,11 +49,13 @@ class ApexTrainingArguments(TrainingArguments):
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
             Decision cache file; `None` means `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`.
         drop_full_attention_mask (`bool`, *optional*, defaults to `True`):
-            Under `torch_compile` only: a batch whose `attention_mask` is all ones (packed LM blocks, unpadded
-            batches) goes to the model without it, which means the same to the model. Compiling, transformers
-            cannot look at the mask's values and builds the full mask, which keeps SDPA off its causal flash
-            kernel; without the mask it passes `is_causal`. Checked on the CPU batch in the collator (no device
-            sync); padded batches keep their mask.
+            A batch whose `attention_mask` is all ones (packed LM blocks, unpadded batches) goes to the model
+            without it, which means the same to the model (checked on the CPU batch in the collator; a batch with
+            `position_ids` keeps it), and a model on transformers' `sdpa` attention runs it as `hf_apex_sdpa`, the
+            same attention with masks decided without reading a tensor: no padding mask means no mask (SDPA's
+            `is_causal`), a padding mask is built as it is. transformers itself reads the mask's values to decide
+            (a host-device sync on every eager forward) and, under `torch.compile`, builds the full causal mask
+            even without one, which doubles the attention's work (see `hf_apex.kernels.attention`).
         compile_min_steps (`int` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took
@@ -166,8 +168,8 @@ class ApexTrainingArguments(TrainingArguments):
     drop_full_attention_mask: bool = field(
         default=True,
         metadata={
-            "help": "Under torch_compile, drop a batch's attention_mask when it is all ones, so that SDPA can take "
-            "its causal flash kernel (transformers builds the full mask while compiling). Same maths."
+            "help": "Drop a batch's attention_mask when it is all ones, and decide the model's SDPA masks without "
+            "reading a tensor (hf_apex_sdpa): no device sync, SDPA's is_causal under torch.compile. Same maths."
         },
     )
     compile_min_steps: int | None = field(

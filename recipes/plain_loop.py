@@ -6,7 +6,7 @@
 (without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
 shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
 schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16),
-`torch.compile` (compiled, batches leave out an all-ones attention mask), loss (`--fused_linear_cross_entropy`) and
+`torch.compile`, masks (batches leave out an all-ones attention mask; SDPA masks decided on the host), loss (`--fused_linear_cross_entropy`) and
 SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does);
 `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
 `--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
@@ -27,7 +27,7 @@ from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.attention import capture as capture_attention
-from hf_apex.kernels.attention import preferring
+from hf_apex.kernels.attention import preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
@@ -61,6 +61,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         rewire(model, chooser=tuner.choose_norm if args.autotune else None, compiled=args.torch_compile)
     if args.fused_linear_cross_entropy:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
+    use_static_masks(model, args.drop_full_attention_mask)  # as ApexTrainer: SDPA masks decided on the host
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
@@ -79,7 +80,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
 
     cuda = device.type == "cuda"
-    if args.torch_compile and args.drop_full_attention_mask:  # as ApexTrainer does under torch.compile
+    if args.drop_full_attention_mask:  # as ApexTrainer does
         collator = DropFullAttentionMask(collator)
     loader = torch.utils.data.DataLoader(
         train_ds,

@@ -294,3 +294,74 @@ def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_pat
     trainer, step, evaluation, _, metrics = train(tmp_path, "c", attention_backend="fastest", torch_compile=True)
     assert metrics["run"]["torch_compile"] and trainer.sdpa_backend == "math"
     assert step == evaluation == {MATH_OP}  # PyTorch's own choice here is the flash kernel (test above)
+
+
+def _sdpa_masks_compiled(model, inputs) -> tuple[list[tuple[bool, bool]], torch.Tensor]:
+    """(mask given?, is_causal) of each SDPA call in ``model``'s compiled graph, and its output."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend)(**inputs).logits
+    torch._dynamo.reset()
+    return calls, out
+
+
+@pytest.fixture
+def transformers_cannot_skip_masks(monkeypatch):
+    """transformers as 5.17 (any release on torch < 2.14) runs under torch.compile: it never leaves a mask out."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    monkeypatch.setattr(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *a, **k: False)
+
+
+@pytest.mark.parametrize("family,causal", [("gpt2", True), ("llama", True), ("bert", False)])
+def test_static_masks_leave_a_plain_mask_out_under_torch_compile(family, causal, transformers_cannot_skip_masks):
+    stock, inputs = tiny_model(family), tiny_inputs(family)
+    inputs.pop("attention_mask")  # (as the collator leaves an all-ones one out)
+    padded = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+    padded["attention_mask"][0, 10:] = 0
+    calls, _ = _sdpa_masks_compiled(stock, inputs)
+    assert calls and all(mask and not is_causal for mask, is_causal in calls)  # the whole square, masked
+
+    model = tiny_model(family)
+    assert attention.static_masks_blocker(model) is None and attention.use_static_masks(model)
+    assert model.config._attn_implementation == attention.STATIC_MASKS
+    calls, out = _sdpa_masks_compiled(model, inputs)
+    assert calls and all(not mask and is_causal == causal for mask, is_causal in calls)
+    torch.testing.assert_close(out, stock(**inputs).logits)  # the same attention
+    calls, out = _sdpa_masks_compiled(model, padded)
+    assert calls and all(mask for mask, _ in calls)  # padding: the mask is built
+    torch.testing.assert_close(out, stock(**padded).logits)
+
+
+def test_static_masks_never_read_a_padding_mask_to_decide(monkeypatch):
+    """Eager transformers asks whether the padding mask is all ones (`.all()`: a device sync per forward); with
+    static masks a mask that reaches the model is built as it is, and the outputs are the same."""
+    from transformers import masking_utils
+
+    for family in ("gpt2", "bert"):
+        stock, model, inputs = tiny_model(family), tiny_model(family), tiny_inputs(family)
+        inputs["attention_mask"][0, 10:] = 0
+        expected = stock(**inputs).logits
+        assert attention.use_static_masks(model)
+        with monkeypatch.context() as patch:
+            for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+                patch.setattr(masking_utils, name, lambda *a, **k: pytest.fail("read the padding mask"))
+            torch.testing.assert_close(model(**inputs).logits, expected)
+
+
+def test_static_masks_leave_other_attention_alone_and_switch_back():
+    eager = tiny_model("gpt2", attn_implementation="eager")
+    assert "'eager'" in attention.static_masks_blocker(eager) and not attention.use_static_masks(eager)
+    assert eager.config._attn_implementation == "eager"
+    model = tiny_model("gpt2")
+    assert attention.use_static_masks(model) and attention.use_static_masks(model)  # (twice: the same)
+    assert not attention.use_static_masks(model, on=False) and model.config._attn_implementation == "sdpa"

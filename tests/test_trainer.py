@@ -399,29 +399,41 @@ def test_epoch_logging_carries_the_stage_metrics(tmp_path):
     assert len(logged) == 2 and all("step_time_ms" in h for h in logged)
 
 
-def test_under_torch_compile_an_all_ones_attention_mask_is_left_out(tmp_path):
+def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_host(tmp_path):
+    from hf_apex.kernels.attention import STATIC_MASKS
     from hf_apex.trainer import DropFullAttentionMask
 
     collate = DropFullAttentionMask(torch.utils.data.default_collate)
     full = [{"input_ids": torch.arange(4), "attention_mask": torch.ones(4, dtype=torch.long)}] * 2
     padded = [full[0], {"input_ids": torch.arange(4), "attention_mask": torch.tensor([1, 1, 0, 0])}]
     assert set(collate(full)) == {"input_ids"} and set(collate(padded)) == {"input_ids", "attention_mask"}
+    positions = [{**f, "position_ids": torch.tensor([0, 1, 0, 1])} for f in full]  # packed: the mask stays
+    assert "attention_mask" in collate(positions)
     assert collate([torch.zeros(2)]).shape == (1, 2)  # not a mapping: as the collator made it
+
+    model = tiny_model("gpt2").train()
 
     def run(name, **kw):
         args = train_args(tmp_path / name, max_steps=2, **kw)
-        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
         trainer.train()
         metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
         return trainer, [h["loss"] for h in metrics["loss_history"]], metrics
 
-    compiled, losses, metrics = run("compiled", torch_compile=True, torch_compile_backend="aot_eager")
-    assert isinstance(compiled.data_collator, DropFullAttentionMask) and "attention_mask" in metrics["kernels"]
-    eager, eager_losses, _ = run("eager")
-    assert not isinstance(eager.data_collator, DropFullAttentionMask)  # eager transformers skips the mask itself
-    assert losses == pytest.approx(eager_losses, rel=1e-5)  # all ones or none: the same training
-    kept, _, _ = run("kept", torch_compile=True, torch_compile_backend="aot_eager", drop_full_attention_mask=False)
-    assert not isinstance(kept.data_collator, DropFullAttentionMask)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, kw in (("compiled", dict(torch_compile=True, torch_compile_backend="aot_eager")), ("eager", {})):
+        model.load_state_dict(initial)
+        trainer, losses, metrics = run(name, **kw)
+        assert isinstance(trainer.data_collator, DropFullAttentionMask) and "attention_mask" in metrics["kernels"]
+        assert model.config._attn_implementation == STATIC_MASKS and "attention_masks" in metrics["kernels"]
+        if name == "compiled":
+            compiled_losses = losses
+    assert losses == pytest.approx(compiled_losses, rel=1e-5)
+    model.load_state_dict(initial)
+    kept, kept_losses, metrics = run("kept", drop_full_attention_mask=False)  # the model of the runs before
+    assert not isinstance(kept.data_collator, DropFullAttentionMask) and "attention_masks" not in metrics["kernels"]
+    assert model.config._attn_implementation == "sdpa"  # transformers' own masks again
+    assert kept_losses == pytest.approx(losses, rel=1e-5)  # all ones or none, host or transformers: the same training
 
 
 def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, caplog):

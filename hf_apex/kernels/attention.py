@@ -9,6 +9,9 @@ each backend that can run it (forward and backward, the same shapes, memory layo
 autotuner, which keeps the fastest whose results match the math backend's in FP32. :func:`preferring` then puts
 that backend first in SDPA's priority for the run's steps; inputs it cannot take fall back to the others. Every
 backend computes the same attention; with dropout, each draws its own masks.
+
+Which mask SDPA gets is the other half: :func:`use_static_masks` runs a model as :data:`STATIC_MASKS`, transformers'
+``sdpa`` attention with its masks decided without reading a tensor (below).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
+import re
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -183,3 +189,89 @@ def runnable(device: torch.device | str) -> dict[str, str]:
                 why = [str(w.message).split(" (Triggered internally")[0] for w in seen]
                 out[name] = "; ".join(w for w in why if not w.endswith("kernel not used because:")) or str(exc)
     return out
+
+
+# Masks. transformers builds a model's 4D mask before its first attention layer and leaves it out (SDPA then takes
+# `is_causal`, or no mask at all) only where it can tell that the mask is a plain causal or full pattern. Under
+# torch.compile it never can (transformers 5.17 checks "tracing?" first; later releases ask torch whether it is
+# exporting, which torch answers "yes" while compiling before 2.14), so every compiled step attends over the whole
+# T x T square with half of it masked: on GPT-2 at 16 x 1024 that doubles the attention's work. In eager it decides by
+# reading the padding mask's values (`.all()`), a host-device sync on every forward. `STATIC_MASKS` is transformers'
+# `sdpa` attention with a mask function that decides from what is known without reading a tensor: no padding mask
+# (hf_apex's collator leaves out an all-ones one on the CPU) and no cache offset means no mask; a padding mask means
+# the mask is built, without asking whether it is all ones. The attention computed is the same either way.
+STATIC_MASKS = "hf_apex_sdpa"
+_SDPA_LITERAL = re.compile(r"""_attn_implementation\s*[!=]=\s*["']sdpa["']""")
+
+
+def _sdpa_mask(*args, **kwargs):
+    """transformers' ``sdpa_mask``, deciding from static facts only (see above)."""
+    from transformers import masking_utils
+
+    if args:  # (transformers passes keywords; anything else gets its own function as it is)
+        return masking_utils.sdpa_mask(*args, **kwargs)
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    plain = (
+        kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and type(q_offset) is int
+        and type(kv_offset) is int
+        and q_offset == kv_offset == 0
+    )
+    pattern = kwargs.get("mask_function", masking_utils.causal_mask_function)
+    if plain and pattern is masking_utils.causal_mask_function and kwargs.get("allow_is_causal_skip", True):
+        if kwargs["q_length"] == kwargs["kv_length"]:
+            return None  # SDPA's is_causal (upper-left aligned: the same square)
+    elif plain and pattern is masking_utils.bidirectional_mask_function and kwargs.get("allow_is_bidirectional_skip"):
+        return None  # full attention
+    if kwargs.get("attention_mask") is not None:  # built as it is, not first asked whether it is all ones
+        kwargs = {**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
+    return masking_utils.sdpa_mask(**kwargs)
+
+
+@functools.cache
+def _register_static_masks() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(STATIC_MASKS, sdpa_attention_forward)
+    AttentionMaskInterface.register(STATIC_MASKS, _sdpa_mask)
+
+
+def static_masks_blocker(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run :data:`STATIC_MASKS`, or None when it can (or already does)."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == STATIC_MASKS:
+        return None
+    if implementation != "sdpa":
+        return f"its attention is {implementation!r}, not transformers' 'sdpa'"
+    if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
+        return "it cannot switch its attention implementation (it does not call transformers' AttentionInterface)"
+    for cls in {type(m) for m in model.modules()}:
+        module = sys.modules.get(cls.__module__)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            continue
+        if _SDPA_LITERAL.search(source):
+            return f"{cls.__module__} tests for the name 'sdpa' itself"
+    return None
+
+
+def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
+    """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``) or with transformers' own masks again;
+    returns whether it now runs with them. A model it does not fit (another attention implementation, one that
+    tests for the name "sdpa") is left as it is."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not on:
+        if implementation == STATIC_MASKS:
+            model.set_attn_implementation("sdpa")
+        return False
+    if static_masks_blocker(model) is not None:
+        return False
+    if implementation != STATIC_MASKS:
+        _register_static_masks()
+        model.set_attn_implementation(STATIC_MASKS)
+    return model.config._attn_implementation == STATIC_MASKS
