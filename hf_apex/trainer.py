@@ -12,18 +12,17 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
-Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too
-short to repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention
-mask is left out, see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when
-``tf32=False``, fresh autotune decisions or those of the checkpoint resumed, the model rewired again for this
-trainer's switches, its SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of the model's
-outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and backward on its batch
-with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
-``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
-``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the
-checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges
-the stage metrics of the current logging window; local, no collective). With plain ``TrainingArguments`` it
-behaves exactly like ``Trainer``.
+Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short
+to repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left
+out, see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune
+decisions or those of the checkpoint resumed, the model rewired again for this trainer's switches, its SDPA masks
+decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of
+the model's outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and backward on its
+batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
+``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``call_model_init`` (rewires each new
+model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops`` (counts the
+parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging window;
+local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
-from .kernels.attention import capture as capture_attention
 from .kernels.attention import STATIC_MASKS, preferring, use_static_masks
+from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped

@@ -4,13 +4,13 @@
 
 `make bench` runs it after each stage. It does the work the Trainer does, no more and no less: the same model
 (without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
-shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR
-schedule and gradient clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16),
-`torch.compile`, masks (batches leave out an all-ones attention mask; SDPA masks decided on the host), loss (`--fused_linear_cross_entropy`) and
-SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does);
-`zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
-`--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between
-step starts, CUDA events read at the end), and written with the losses to OUT.json.
+shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR schedule and gradient
+clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16), `torch.compile`, masks (batches
+leave out an all-ones attention mask; SDPA masks decided on the host), loss (`--fused_linear_cross_entropy`) and
+SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does); `zero_grad(set_to_none=True)`;
+pinned batches copied without blocking; the loss read on the host every `--logging_steps` steps. Step times are
+measured the same way as the Trainer's (whole cycles between step starts, CUDA events read at the end), and written
+with the losses to OUT.json.
 """
 
 from __future__ import annotations
