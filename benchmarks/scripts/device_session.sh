@@ -2,8 +2,8 @@
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
 # steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
-# stages, only those stages' runs, so that the others run again) |
+# test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | resume:<benchmarks/folder>[:<stage,stage>] (its
+# runs/ into .bench/runs, not overwriting; with stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
 # once every row is kept, else it runs what is missing until the deadline). DEADLINE: seconds for the whole
 # call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step gets what is left, and .bench
@@ -41,12 +41,15 @@ for step in "$@"; do
     sdpa)
       timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json > $OUT/sdpa.log 2>&1; echo "sdpa rc $?"
       tail -12 $OUT/sdpa.log;;
+    cupti)
+      timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
+      echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;
     resume:*)
       IFS=: read -r _ folder stages <<< "$step"
       mkdir -p .bench/runs
       for run in "$folder"/runs/*; do  # <model>-<stage>[-rN][-plain.json]
         stage=$(basename "$run" | sed -E 's/^[a-z0-9]+-//; s/(-r[0-9]+)?(-plain\.json)?$//')
-        [ -z "$stages" ] || [[ ",$stages," == *",$stage,"* ]] && cp -rn "$run" .bench/runs/
+        [ -z "$stages" ] || [[ ",$stages," == *",$stage,"* ]] && cp -r --update=none "$run" .bench/runs/
       done
       echo "$(ls .bench/runs | wc -l) entries in .bench/runs";;
     bench:*)
