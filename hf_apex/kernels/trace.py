@@ -69,10 +69,13 @@ def calls_since(now: dict[tuple, int], before: dict[tuple, int]) -> dict[str, di
 # -- profiler proof ------------------------------------------------------------------------------------------
 # Kernel-name patterns of apex's extensions (csrc/layer_norm_cuda_kernel.cu, csrc/multi_tensor_adam.cu,
 # csrc/multi_tensor_lamb.cu). torch's own kernels live in at::native and are named differently
-# (vectorized_layer_norm_kernel, FusedAdamMathFunctor, ...), so they never match.
+# (vectorized_layer_norm_kernel, FusedAdamMathFunctor, ...), so they never match. apex's LayerNorm and RMSNorm share
+# their backward kernels (RMS is a runtime flag, not a template argument), so those name neither: a Llama's profile
+# shows ``rms_norm`` and ``norm_backward``, never ``layer_norm``.
 APEX_KERNELS: dict[str, re.Pattern] = {
-    "layer_norm": re.compile(r"\bcu(ApplyLayerNorm|ComputePartGradGammaBeta|ComputeGradGammaBeta|ComputeGradInput)\b"),
+    "layer_norm": re.compile(r"\bcuApplyLayerNorm\b"),
     "rms_norm": re.compile(r"\bcuApplyRMSNorm\b"),
+    "norm_backward": re.compile(r"\bcu(ComputePartGradGammaBeta|ComputeGradGammaBeta|ComputeGradInput)\b"),
     "fused_adam": re.compile(r"(?<![\w:])Adam(Capturable)?(Master)?Functor<"),
     "fused_lamb": re.compile(r"\bLAMBStage[12]Functor<"),
 }
