@@ -55,7 +55,7 @@ class ApexTrainingArguments(TrainingArguments):
             same attention with masks decided without reading a tensor: no padding mask means no mask (SDPA's
             `is_causal`), a padding mask is built as it is. transformers itself reads the mask's values to decide
             (a host-device sync on every eager forward) and, under `torch.compile`, builds the full causal mask
-            even without one, which doubles the attention's work (see `hf_apex.kernels.attention`).
+            even without one (see `hf_apex.kernels.attention`).
         compile_min_steps (`int` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took

@@ -194,9 +194,10 @@ def runnable(device: torch.device | str) -> dict[str, str]:
 # Masks. transformers builds a model's 4D mask before its first attention layer and leaves it out (SDPA then takes
 # `is_causal`, or no mask at all) only where it can tell that the mask is a plain causal or full pattern. Under
 # torch.compile it never can (transformers 5.17 checks "tracing?" first; later releases ask torch whether it is
-# exporting, which torch answers "yes" while compiling before 2.14), so every compiled step attends over the whole
-# T x T square with half of it masked: on GPT-2 at 16 x 1024 that doubles the attention's work. In eager it decides by
-# reading the padding mask's values (`.all()`), a host-device sync on every forward. `STATIC_MASKS` is transformers'
+# exporting, which torch answers "yes" while compiling before 2.14), so every compiled step hands SDPA a full causal
+# mask in place of `is_causal` (on an H200, GPT-2 and Llama at 16 x 1024, that cost at most ~1 %:
+# benchmarks/h200-2026-12-01-masks). In eager it decides by reading the padding mask's values (`.all()`), a
+# host-device sync on every forward. `STATIC_MASKS` is transformers'
 # `sdpa` attention with a mask function that decides from what is known without reading a tensor: no padding mask
 # (hf_apex's collator leaves out an all-ones one on the CPU) and no cache offset means no mask; a padding mask means
 # the mask is built, without asking whether it is all ones. The attention computed is the same either way.
