@@ -15,14 +15,14 @@ Override points (each calls ``super()`` and can be replaced alone):
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short
 to repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left
 out, see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune
-decisions or those of the checkpoint resumed, the model rewired again for this trainer's switches, its SDPA masks
-decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32 conversion of
-the model's outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and backward on its
-batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
-``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``call_model_init`` (rewires each new
-model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops`` (counts the
-parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging window;
-local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
+decisions or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it
+returns the model's SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves
+accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the
+model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`;
+and names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``call_model_init`` (rewires
+each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
+(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging
+window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
-    static_masks = False  # whether the model's SDPA masks are decided without reading a tensor (STATIC_MASKS)
+    static_masks = False  # whether train() runs the model with SDPA masks decided on the host (STATIC_MASKS)
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
@@ -254,7 +254,13 @@ class ApexTrainer(Trainer):
             self._attention_to_tune = self.args.attention_backend == "fastest"
             self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            if self.model_init is None and self.model is not None:
+                self.static_masks = use_static_masks(self.model, self.args.drop_full_attention_mask)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)
+                use_static_masks(self.model, on=False)
 
     def _tunes_norms_in_step(self) -> bool:
         # Not under torch.compile (the stock op runs in the graph), FSDP (a forward on one rank would hang the
@@ -357,12 +363,12 @@ class ApexTrainer(Trainer):
         model = super().call_model_init(trial)
         if isinstance(self.args, ApexTrainingArguments):
             self._apply_model_switches(model)
+            self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask)
         return model
 
     def _apply_model_switches(self, model: nn.Module) -> None:
         self.rewire_report = self.rewire_model(model)
         self.loss_fusion = self.fuse_loss(model)
-        self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask)
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.kernels.norms import is_swapped
@@ -413,26 +413,35 @@ def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_hos
 
     model = tiny_model("gpt2").train()
 
+    class Implementation(TrainerCallback):  # the attention each training step ran with
+        def __init__(self):
+            self.seen = set()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.seen.add(model.config._attn_implementation)
+
     def run(name, **kw):
         args = train_args(tmp_path / name, max_steps=2, **kw)
-        trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+        seen = Implementation()
+        trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[seen])
         trainer.train()
+        assert model.config._attn_implementation == "sdpa"  # the model leaves train() as it came
         metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
-        return trainer, [h["loss"] for h in metrics["loss_history"]], metrics
+        return trainer, [h["loss"] for h in metrics["loss_history"]], metrics, seen.seen
 
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     for name, kw in (("compiled", dict(torch_compile=True, torch_compile_backend="aot_eager")), ("eager", {})):
         model.load_state_dict(initial)
-        trainer, losses, metrics = run(name, **kw)
+        trainer, losses, metrics, seen = run(name, **kw)
         assert isinstance(trainer.data_collator, DropFullAttentionMask) and "attention_mask" in metrics["kernels"]
-        assert model.config._attn_implementation == STATIC_MASKS and "attention_masks" in metrics["kernels"]
+        assert seen == {STATIC_MASKS} and "attention_masks" in metrics["kernels"]
         if name == "compiled":
             compiled_losses = losses
     assert losses == pytest.approx(compiled_losses, rel=1e-5)
     model.load_state_dict(initial)
-    kept, kept_losses, metrics = run("kept", drop_full_attention_mask=False)  # the model of the runs before
+    kept, kept_losses, metrics, seen = run("kept", drop_full_attention_mask=False)
     assert not isinstance(kept.data_collator, DropFullAttentionMask) and "attention_masks" not in metrics["kernels"]
-    assert model.config._attn_implementation == "sdpa"  # transformers' own masks again
+    assert seen == {"sdpa"}  # transformers' own masks
     assert kept_losses == pytest.approx(losses, rel=1e-5)  # all ones or none, host or transformers: the same training
 
 
