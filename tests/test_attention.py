@@ -365,3 +365,19 @@ def test_static_masks_leave_other_attention_alone_and_switch_back():
     model = tiny_model("gpt2")
     assert attention.use_static_masks(model) and attention.use_static_masks(model)  # (twice: the same)
     assert not attention.use_static_masks(model, on=False) and model.config._attn_implementation == "sdpa"
+
+
+def test_static_masks_leave_a_model_that_tests_for_the_name_sdpa_alone(tmp_path, monkeypatch):
+    """Such a model's code takes another path under any other name (Falcon's, in transformers 5.17)."""
+    (tmp_path / "sdpa_by_name.py").write_text(
+        "from transformers import GPT2LMHeadModel\n\n\n"
+        "class ByName(GPT2LMHeadModel):\n"
+        "    def fast_path(self):\n"
+        '        return self.config._attn_implementation == "sdpa"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sdpa_by_name
+
+    model = sdpa_by_name.ByName(tiny_model("gpt2").config)
+    assert "sdpa_by_name tests for the name 'sdpa'" in attention.static_masks_blocker(model)
+    assert not attention.use_static_masks(model) and model.config._attn_implementation == "sdpa"

@@ -197,10 +197,10 @@ def runnable(device: torch.device | str) -> dict[str, str]:
 # exporting, which torch answers "yes" while compiling before 2.14), so every compiled step hands SDPA a full causal
 # mask in place of `is_causal` (on an H200, GPT-2 and Llama at 16 x 1024, that cost at most ~1 %:
 # benchmarks/h200-2026-12-01-masks). In eager it decides by reading the padding mask's values (`.all()`), a
-# host-device sync on every forward. `STATIC_MASKS` is transformers'
-# `sdpa` attention with a mask function that decides from what is known without reading a tensor: no padding mask
-# (hf_apex's collator leaves out an all-ones one on the CPU) and no cache offset means no mask; a padding mask means
-# the mask is built, without asking whether it is all ones. The attention computed is the same either way.
+# host-device sync on every forward. `STATIC_MASKS` is transformers' `sdpa` attention with a mask function that
+# decides from what is known without reading a tensor: no padding mask (hf_apex's collator leaves out an all-ones one
+# on the CPU) and no cache offset means no mask; a padding mask means the mask is built, without asking whether it is
+# all ones. The attention computed is the same either way.
 STATIC_MASKS = "hf_apex_sdpa"
 _SDPA_LITERAL = re.compile(r"""_attn_implementation\s*[!=]=\s*["']sdpa["']""")
 
@@ -250,15 +250,21 @@ def static_masks_blocker(model: torch.nn.Module) -> str | None:
         return f"its attention is {implementation!r}, not transformers' 'sdpa'"
     if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
         return "it cannot switch its attention implementation (it does not call transformers' AttentionInterface)"
-    for cls in {type(m) for m in model.modules()}:
-        module = sys.modules.get(cls.__module__)
-        try:
-            source = inspect.getsource(module) if module is not None else ""
-        except (OSError, TypeError):
-            continue
-        if _SDPA_LITERAL.search(source):
-            return f"{cls.__module__} tests for the name 'sdpa' itself"
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        if _tests_for_sdpa(name):
+            return f"{name} tests for the name 'sdpa' itself"
     return None
+
+
+@functools.cache
+def _tests_for_sdpa(module_name: str) -> bool:
+    """Whether a module's source compares ``_attn_implementation`` with "sdpa" (its code would then take another
+    path under any other name)."""
+    module = sys.modules.get(module_name)
+    try:
+        return module is not None and bool(_SDPA_LITERAL.search(inspect.getsource(module)))
+    except (OSError, TypeError):
+        return False
 
 
 def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
