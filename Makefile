@@ -11,13 +11,14 @@ APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
 # recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 30; BERT's
-# BF16 stages: 3 runs of 100), BERT 128x128, GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
+# BF16 stages: 3 runs of 100; GPT-2's and Llama's fused_full, torch_fused and auto: 3 runs), BERT 128x128,
+# GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
 BENCH_STAGES ?=
 # BENCH_NPROC=2: each run on 2 GPUs with DDP (torchrun), same per-device batch; BENCH_NPROC="1 2": both, with scaling
 BENCH_NPROC ?=
 BENCH_STEPS ?=
-# BENCH_REPEATS=3: every row run 3 times (fresh processes, in rounds); default 3 for BERT's BF16 stages, else 1
+# BENCH_REPEATS=3: every row run 3 times (fresh processes, in rounds); default: 3 for the rows above, else 1
 BENCH_REPEATS ?=
 BENCH_WARMUP ?=
 BENCH_BATCH ?=

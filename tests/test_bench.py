@@ -595,14 +595,15 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
     assert "gpt2  fused_full     run 2/2 p50" in printed
     assert len(re.findall(r"^\| gpt2 \| ", printed, re.M)) == 2  # one row per stage
     assert "(2 runs: gpt2 baseline, gpt2 fused_full)" in printed
-    # Defaults: BERT's BF16 stages on CUDA run 3 times, its FP32 stages and the other models once; --repeats wins.
+    # Defaults on CUDA: BERT's BF16 stages run 3 times, and the causal LMs' auto and its two rivals; the rest once;
+    # --repeats wins.
     opts = bench.parse_args([])
     opts.tiny = False
-    assert [bench.repeats(m, s, opts) for m, s in (("bert", "auto"), ("bert", "baseline"), ("gpt2", "auto"))] == [
-        3,
-        1,
-        1,
-    ]
+    runs = {(m, s): bench.repeats(m, s, opts) for m in ("bert", "gpt2", "llama") for s in bench.STAGES}
+    assert {k for k, n in runs.items() if n == 3} == {("bert", s) for s in bench.STAGES if bench.STAGES[s].bf16} | {
+        (m, s) for m in ("gpt2", "llama") for s in ("fused_full", "torch_fused", "auto")
+    }
+    assert set(runs.values()) == {1, 3}
     opts.tiny = True
     assert bench.repeats("bert", "auto", opts) == 1
     assert bench.repeats("gpt2", "baseline", bench.parse_args(["--repeats", "4"])) == 4
