@@ -2,8 +2,9 @@
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
 # steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | resume:<benchmarks/folder>[:<stage,stage>] (its
-# runs/ into .bench/runs, not overwriting; with stages, only those stages' runs, so that the others run again) |
+# test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
+# that bench row) | resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
+# stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
 # once every row is kept, else it runs what is missing until the deadline). DEADLINE: seconds for the whole
 # call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step gets what is left, and .bench
@@ -44,6 +45,14 @@ for step in "$@"; do
     cupti)
       timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
       echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;
+    hostprof:*)  # hostprof:<model>:<stage>[:plain]: benchmarks/scripts/host_profile.py on the bench's run of that row
+      IFS=: read -r _ model stage plain <<< "$step"
+      flags=$(python3 -c "import sys, pathlib; sys.path.insert(0, 'recipes'); import bench
+o = bench.parse_args(['--data_dir', '.deps/data', '--warmup', '10']); o.tiny = False
+print(' '.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/hostprof'))))")
+      log=$OUT/hostprof-$model-$stage${plain:+-plain}.log
+      timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 $flags > $log 2>&1
+      echo "hostprof $model $stage ${plain} rc $?"; grep -E "wall|kernels and copies|Synchronize|_local_scalar|==" $log | head -20;;
     resume:*)
       IFS=: read -r _ folder stages <<< "$step"
       mkdir -p .bench/runs
