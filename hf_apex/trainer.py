@@ -166,7 +166,8 @@ class DropFullAttentionMask:
     """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means), so that the
     model's mask is decided without reading a tensor (:data:`~hf_apex.kernels.attention.STATIC_MASKS`): no mask,
     SDPA's ``is_causal``, and no host-device sync. It runs on the CPU batch, in the loader's workers. A batch with
-    ``position_ids`` keeps its mask: without one, transformers would read packed sequences from the positions."""
+    ``position_ids`` keeps its mask: without one, transformers would read packed sequences from the positions.
+    Whether a run uses it: :func:`drops_full_attention_mask`."""
 
     def __init__(self, collator):
         self.collator = collator
@@ -180,6 +181,16 @@ class DropFullAttentionMask:
 
     def __repr__(self) -> str:
         return f"DropFullAttentionMask({self.collator!r})"
+
+
+def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
+    """Whether a run leaves all-ones attention masks out of its batches (``drop_full_attention_mask``). Under
+    ``torch.compile``, yes. In eager only for a model without a ``pad_token_id``: given no mask, transformers checks
+    whether the first or last token of each row is the pad token (``warn_if_padding_and_no_attention_mask``), a
+    device sync on every forward; with the mask kept, ``STATIC_MASKS`` builds it without one."""
+    if not args.drop_full_attention_mask:
+        return False
+    return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 
 
 class ApexTrainer(Trainer):
@@ -234,7 +245,7 @@ class ApexTrainer(Trainer):
                 "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
                 "(Inductor fuses it), not apex's kernel. This is recorded in the metrics JSON."
             )
-        if self.args.drop_full_attention_mask and self.data_collator is not None:
+        if self.data_collator is not None and drops_full_attention_mask(self.args, self.model):
             self.data_collator = DropFullAttentionMask(self.data_collator)
         if self.args.stage_metrics:
             self.stage_metrics = self.create_stage_metrics_callback()

@@ -51,11 +51,12 @@ class ApexTrainingArguments(TrainingArguments):
         drop_full_attention_mask (`bool`, *optional*, defaults to `True`):
             A batch whose `attention_mask` is all ones (packed LM blocks, unpadded batches) goes to the model without
             it, which means the same to the model (checked on the CPU batch in the collator; a batch with
-            `position_ids` keeps it), and while `train()` runs, a model on transformers' `sdpa` attention runs as
-            `hf_apex_sdpa`, the same attention with masks decided without reading a tensor: no padding mask means no
-            mask (SDPA's `is_causal`), a padding mask is built as it is. transformers itself reads the mask's values
-            to decide (a host-device sync on every eager forward) and, under `torch.compile`, builds the full causal
-            mask even without one (see `hf_apex.kernels.attention`).
+            `position_ids` keeps it; in eager runs only for a model without a `pad_token_id`, since transformers then
+            looks for the pad token in the input ids, a device sync), and while `train()` runs, a model on
+            transformers' `sdpa` attention runs as `hf_apex_sdpa`, the same attention with masks decided without
+            reading a tensor: no padding mask means no mask (SDPA's `is_causal`), a padding mask is built as it is.
+            transformers itself reads the mask's values to decide (a host-device sync on every eager forward) and,
+            under `torch.compile`, builds the full causal mask even without one (see `hf_apex.kernels.attention`).
         compile_min_steps (`int` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took

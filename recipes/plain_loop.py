@@ -32,7 +32,7 @@ from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import DropFullAttentionMask, too_short_to_compile
+from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -80,7 +80,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
 
     cuda = device.type == "cuda"
-    if args.drop_full_attention_mask:  # as ApexTrainer does
+    if drops_full_attention_mask(args, raw):  # as ApexTrainer does
         collator = DropFullAttentionMask(collator)
     loader = torch.utils.data.DataLoader(
         train_ds,

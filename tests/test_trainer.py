@@ -411,7 +411,7 @@ def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_hos
     assert "attention_mask" in collate(positions)
     assert collate([torch.zeros(2)]).shape == (1, 2)  # not a mapping: as the collator made it
 
-    model = tiny_model("gpt2").train()
+    model = tiny_model("gpt2", pad_token_id=None).train()  # (eager runs keep the mask of a model with a pad token)
 
     class Implementation(TrainerCallback):  # the attention each training step ran with
         def __init__(self):
@@ -443,6 +443,31 @@ def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_hos
     assert not isinstance(kept.data_collator, DropFullAttentionMask) and "attention_masks" not in metrics["kernels"]
     assert seen == {"sdpa"}  # transformers' own masks
     assert kept_losses == pytest.approx(losses, rel=1e-5)  # all ones or none, host or transformers: the same training
+
+
+def test_in_eager_a_model_with_a_pad_token_keeps_its_all_ones_mask(tmp_path):
+    """Given no mask, transformers would look for the pad token in every row's first and last token, a device sync
+    per forward; so only compiled runs, or models without a pad token, leave the mask out."""
+    from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask
+
+    padded_model = tiny_model("gpt2", pad_token_id=0)
+    eager, compiled = train_args(tmp_path, max_steps=1), train_args(tmp_path, max_steps=1, torch_compile=True)
+    assert not drops_full_attention_mask(eager, padded_model) and drops_full_attention_mask(compiled, padded_model)
+    unpadded = tiny_model("gpt2", pad_token_id=None)
+    assert drops_full_attention_mask(eager, unpadded)  # no pad token: nothing to look for
+    off = train_args(tmp_path, max_steps=1, torch_compile=True, drop_full_attention_mask=False)
+    assert not drops_full_attention_mask(off, unpadded)
+    trainer = ApexTrainer(model=padded_model.train(), args=eager, train_dataset=TokenDataset())
+    assert not isinstance(trainer.data_collator, DropFullAttentionMask)
+
+    class Seen(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            seen.append(padded_model.config._attn_implementation)
+
+    seen = []
+    trainer.add_callback(Seen())
+    trainer.train()
+    assert seen == ["hf_apex_sdpa"]  # the kept mask is built without reading it
 
 
 def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, caplog):
