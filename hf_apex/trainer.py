@@ -261,12 +261,11 @@ class ApexTrainer(Trainer):
             if self.model_init is None and self.model is not None:
                 # Again: another trainer built on the same model may have rewired it its own way since __init__.
                 self._apply_model_switches(self.model)
+                self.static_masks = use_static_masks(self.model, self.args.drop_full_attention_mask)
             self._norms_to_tune = self._tunes_norms_in_step()
             self._attention_to_tune = self.args.attention_backend == "fastest"
             self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
-            if self.model_init is None and self.model is not None:
-                self.static_masks = use_static_masks(self.model, self.args.drop_full_attention_mask)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:

@@ -30,6 +30,7 @@ import torch._functorch.config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from transformers import masking_utils
 
 from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
 
@@ -207,8 +208,6 @@ _SDPA_LITERAL = re.compile(r"""_attn_implementation\s*[!=]=\s*["']sdpa["']""")
 
 def _sdpa_mask(*args, **kwargs):
     """transformers' ``sdpa_mask``, deciding from static facts only (see above)."""
-    from transformers import masking_utils
-
     if args:  # (transformers passes keywords; anything else gets its own function as it is)
         return masking_utils.sdpa_mask(*args, **kwargs)
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
@@ -234,10 +233,9 @@ def _sdpa_mask(*args, **kwargs):
 def _register_static_masks() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(STATIC_MASKS, sdpa_attention_forward)
-    AttentionMaskInterface.register(STATIC_MASKS, _sdpa_mask)
+    masking_utils.AttentionMaskInterface.register(STATIC_MASKS, _sdpa_mask)
 
 
 def static_masks_blocker(model: torch.nn.Module) -> str | None:
