@@ -9,11 +9,14 @@ never mix their counts; :func:`collect` sums them for a run. No lock, no global,
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
 
 import torch
+
+logger = logging.getLogger("hf_apex")
 
 APEX, TORCH, FALLBACK = "apex", "torch", "fallback"
 
@@ -106,6 +109,17 @@ def classify_kernels(names) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
+# On an H200 (torch 2.11) every CUDA profile of a process came back empty once a CPU-only torch.profiler session had
+# run after a profile that detached CUPTI (benchmarks/h200-2026-12-01-auto-rounds: whatever the detach's timing or
+# kineto's lazy re-init); without the detach, every profile recorded its kernels.
+EMPTY_PROFILE = (
+    "hf_apex: the kernel profile recorded no CUDA kernel, so this run's kernel proof reads 'unverified'. On torch "
+    "2.11 this happens to every profile of a process once a CPU-only torch.profiler session has run in it after a "
+    "profile that detached CUPTI (as hf_apex's do, to keep later launches fast). Export TEARDOWN_CUPTI=0 before the "
+    "process's first profile to keep every proof; CUPTI then stays attached, which slows later kernel launches."
+)
+
+
 class KernelProfile:
     """Profile a region's CUDA kernels (see ``stop``); ``close`` once profiling is over (see ``start``)."""
 
@@ -147,4 +161,6 @@ class KernelProfile:
         self._prof.__exit__(None, None, None)
         self.running = False
         names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if not names and torch.cuda.is_available():
+            logger.warning(EMPTY_PROFILE)
         return {"apex": classify_kernels(names), "sdpa": sdpa_backends_seen(names), "cuda_kernels": len(names)}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.measure.report import METRICS_FILENAME
@@ -48,10 +49,24 @@ def train(tmp_path, **kw):
     trainer = ApexTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     batch = trainer.data_collator([data[i] for i in range(8)])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with SdpaOps() as ops:
         trainer.training_step(trainer.model_wrapped, batch)
-    ran = {name for name, op in OPS.items() if any(e.name == op for e in prof.events())}
-    return trainer, ran, json.loads((tmp_path / METRICS_FILENAME).read_text())
+    return trainer, ops.ran, json.loads((tmp_path / METRICS_FILENAME).read_text())
+
+
+class SdpaOps(TorchDispatchMode):
+    """The SDPA backends whose operators a region dispatches (math decomposes into plain ones, so it never shows).
+    Not a CPU-only profile: after a CUPTI detach, one empties every later CUDA profile of the process, and this
+    module's tests run several Trainers in one process (benchmarks/h200-2026-12-01-auto-rounds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = "aten::" + func.overloadpacket.__name__
+        self.ran.update(backend for backend, op in OPS.items() if name == op)
+        return func(*args, **(kwargs or {}))
 
 
 def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_path):
@@ -96,12 +111,11 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
     assert OPS[backend] in out.stdout and OPS["cudnn"] not in out.stdout, out.stdout
 
 
-# hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it and followed by
-# a CPU-only profile (as the test above runs between its two Trainer runs), each around one backend's training call:
-# each records its backend by its kernels' names. On an H200 the metrics of the second Trainer run in a pytest
-# process once named no SDPA backend while FlashAttention ran (2026-12-01).
+# hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it, each around
+# one backend's training call, and between them nothing else or a user's CPU-only profile. On an H200 (torch 2.11)
+# every CUDA profile after such a CPU-only profile came back empty (benchmarks/h200-2026-12-01-auto-rounds).
 PROFILES = """
-import json, torch
+import json, sys, torch
 from hf_apex.kernels import attention, trace
 q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 def call():
@@ -115,22 +129,29 @@ for backend in ("flash", "cudnn", "efficient", "flash"):
         result = profile.stop()
     (q @ k.transpose(-1, -2)).sum().item()  # the CUDA call at which kineto completes CUPTI's detach
     profile.close()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        call()
+    if sys.argv[1] == "cpu-profile":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            call()
     seen.setdefault(backend, []).append({"sdpa": result["sdpa"], "cuda_kernels": result["cuda_kernels"]})
 print(json.dumps(seen))
 """
 
 
-def test_every_kernel_profile_of_a_process_names_the_sdpa_backend_that_ran():
+@pytest.mark.parametrize("between", ["nothing", "cpu-profile"])
+def test_kernel_profiles_one_after_another_name_the_sdpa_backend_or_nothing(between):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("TEARDOWN_CUPTI", None)
-    out = subprocess.run([sys.executable, "-c", PROFILES], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROFILES, between], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert all(p["cuda_kernels"] > 0 for profiles in seen.values() for p in profiles), seen
-    assert {b: [p["sdpa"] for p in profiles] for b, profiles in seen.items()} == {
-        "flash": [["flash"], ["flash"]],
-        "cudnn": [["cudnn"]],
-        "efficient": [["efficient"]],
-    }, seen
+    want = {"flash": [["flash"], ["flash"]], "cudnn": [["cudnn"]], "efficient": [["efficient"]]}
+    assert seen["flash"][0]["sdpa"] == ["flash"], seen  # the first profile of a process always holds its proof
+    if between == "nothing":  # what Trainer runs in one process do: every profile holds its proof
+        assert all(p["cuda_kernels"] > 0 for profiles in seen.values() for p in profiles), seen
+        assert {b: [p["sdpa"] for p in profiles] for b, profiles in seen.items()} == want, seen
+    else:  # kineto may lose the later profiles; an empty one names nothing (it reads "unverified"), never another
+        for backend, profiles in seen.items():
+            assert all(p["sdpa"] == [backend] or (p["cuda_kernels"] == 0 and not p["sdpa"]) for p in profiles), seen
+        assert "recorded no CUDA kernel" in out.stderr or all(p["cuda_kernels"] for ps in seen.values() for p in ps)
