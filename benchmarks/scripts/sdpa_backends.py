@@ -1,6 +1,6 @@
 """Forward + backward time of each SDPA backend on the bench models' attention shapes (BF16, CUDA).
 
-usage: python benchmarks/scripts/sdpa_backends.py [OUT.json]
+usage: python benchmarks/scripts/sdpa_backends.py [OUT.json] [--kernels]
 
 The attention of GPT-2 and of the Llama-architecture model at 16 x 1024 (12 heads of 64, causal) and of BERT-base at
 128 x 128 (12 heads of 64, a padding mask or none), with and without the models' attention dropout (0.1 for GPT-2
@@ -11,6 +11,11 @@ with `torch.nn.attention.sdpa_kernel`. Prints ms per forward + backward (the med
 warm-up calls, CUDA events) and TFLOP/s counting causal attention as half the score matrix (as FlashAttention's
 papers do); a backend that cannot run a shape says why. Used to see what the `fastest` rung's attention costs (a
 profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per step).
+
+`--kernels`: also profile one forward + backward of PyTorch's choice per shape (torch.profiler, CUDA activity) and
+print the kernels it ran with their device times, to set beside a training step's profile: in GPT-2's `fastest` step
+cuDNN ran `..._flash_fprop_wgmma_f16_knob_7_...` at 0.45 ms and `..._flash_bprop_wgmma_f16_knob_26_...` at 0.63-0.68
+ms per layer, twice the 0.575 ms these timings gave the whole call alone; a different plan would show here.
 """
 
 import json
@@ -76,6 +81,8 @@ def measure(
                 row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)  # (this first call settles the priority)
                 picked = torch._fused_sdp_choice(*heads(), attn_mask=mask, dropout_p=dropout, is_causal=causal)
                 row["picked"] = SDPBackend(picked).name  # which backend PyTorch's choice is
+                if KERNELS:
+                    row["kernels"] = profiled_kernels(step)
             else:
                 with sdpa_kernel([sdp]):
                     row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
@@ -86,7 +93,22 @@ def measure(
         ms = f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" if "ms" in row else row["error"]
         ms += f" ({row['picked']})" if "picked" in row else ""
         print(f"{name:28s} {backend:10s} {ms}", flush=True)
+        for kernel, us in row.get("kernels", []):
+            print(f"{'':40s}{us:9.1f} us  {kernel[:110]}", flush=True)
     return rows
+
+
+def profiled_kernels(step) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of one call of ``step``, in launch order."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.name, e.device_time_total) for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
+KERNELS = "--kernels" in sys.argv
 
 
 def main(out: str | None) -> None:
@@ -98,4 +120,4 @@ def main(out: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main(next((a for a in sys.argv[1:] if not a.startswith("--")), None))
