@@ -3,7 +3,9 @@
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
 # steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
 # test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
-# that bench row) | resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
+# that bench row) | variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the
+# bench's run of that model and stage with the flags added, to $OUT/variants.jsonl) |
+# resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
 # stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
 # once every row is kept, else it runs what is missing until the deadline). DEADLINE: seconds for the whole
@@ -40,8 +42,12 @@ for step in "$@"; do
         -rfEs tests/gpu/test_fast_stage_gpu.py > $OUT/test-fast.log 2>&1
       echo "fast rc $?"; tail -5 $OUT/test-fast.log;;
     sdpa)
-      timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json > $OUT/sdpa.log 2>&1; echo "sdpa rc $?"
-      tail -12 $OUT/sdpa.log;;
+      timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json --kernels > $OUT/sdpa.log 2>&1
+      echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
+    variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
+      IFS=: read -r _ model name stage steps flags <<< "$step"
+      MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps ${flags//,/ } \
+        2>&1 | tail -1 | cut -c1-400;;
     cupti)
       timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
       echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;
