@@ -1,11 +1,12 @@
 """Where an ApexTrainer step spends host time, and which calls make the host wait for the device.
 
-    python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] <recipes/finetune.py flags>
+    python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] [--pstats FILE] <recipes/finetune.py flags>
 
 Runs `recipes/finetune.py` with the given flags and profiles optimizer steps A..B-1 twice: once with
 torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the device's
 busy time against the wall time, and the kernels by device time), once with cProfile (host time per Trainer phase:
-data, forward+backward, clipping, optimizer, scheduler, callbacks, logging). Prints both; writes nothing. `--plain`
+data, forward+backward, clipping, optimizer, scheduler, callbacks, logging). Prints both; `--pstats` also saves the
+cProfile statistics (pstats format: to compare two runs function by function). `--plain`
 profiles recipes/plain_loop.py's steps instead (the same training without the Trainer). Used to find the Trainer's
 own host cost on a host-bound step, and where a device-bound step spends its time.
 """
@@ -26,6 +27,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import finetune  # noqa: E402
 
+PSTATS: str | None = None  # --pstats: where to save the cProfile statistics
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 PHASES = {  # function name (as cProfile records it) -> phase
     "get_batch_samples": "data (next batch, to device)",
@@ -103,6 +105,8 @@ class Profile(TrainerCallback):
 
     def report_cprofile(self, n: int):
         stats = pstats.Stats(self.cprof)
+        if PSTATS:
+            stats.dump_stats(PSTATS)
         print(f"\n== cProfile, host ms per optimizer step (mean of {n}; cProfile inflates Python-heavy parts) ==")
         print(f"  {'whole step (wall, profiled)':40s} {1e3 * (time.perf_counter() - self.t0) / n:8.2f}")
         for (file, _, func), (_, _, _, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):
@@ -152,6 +156,8 @@ if __name__ == "__main__":
     if argv and argv[0] == "--steps":
         a, b = argv[1].split(":")
         PROFILE_STEPS, argv = (int(a), int(b)), argv[2:]
+    if argv and argv[0] == "--pstats":
+        PSTATS, argv = argv[1], argv[2:]
     if plain:
         profile_plain_loop(argv)
     else:
