@@ -277,11 +277,12 @@ def test_torch_fused_stage_uses_torch_fused_adamw(tmp_path):
 
 def test_compiled_stage_trains_and_reports_the_first_step(tmp_path):
     # The eager backend traces with Dynamo without generating code, which keeps this CPU test fast.
-    args = train_args(tmp_path, stage="compiled", torch_compile_backend="eager")
+    args = train_args(tmp_path, stage="compiled", torch_compile_backend="eager", torch_compile_mode="reduce-overhead")
     trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     trainer.train()
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
     assert metrics["run"]["torch_compile"] is True and metrics["run"]["first_step_ms"] > 0
+    assert metrics["run"]["torch_compile_mode"] == "reduce-overhead"  # (the mode asked for: CUDA graphs on a GPU)
     assert metrics["rewire"] is None  # native norms under compile
     assert len(metrics["loss_history"]) == 6
 

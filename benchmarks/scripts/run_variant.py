@@ -46,6 +46,7 @@ if m.is_file():
         mfu=d["mfu"],
         mem=round(d["peak_memory_allocated_gib"], 2),
         first_ms=round(d["run"]["first_step_ms"]),
+        compile_mode=d["run"].get("torch_compile_mode"),
         ddp=d.get("ddp"),
         world=d["run"]["world_size"],
         loss=d["loss"],

@@ -112,6 +112,9 @@ def run_summary(
             "fp32_matmul_precision": torch.get_float32_matmul_precision(),  # what ran, whatever was asked
             "optimizer": optimizer,
             "torch_compile": bool(getattr(args, "torch_compile", False)),
+            "torch_compile_mode": getattr(args, "torch_compile_mode", None)
+            if getattr(args, "torch_compile", False)
+            else None,
             # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
             "first_step_ms": records[0].ms if records else None,
             "seed": args.seed,
