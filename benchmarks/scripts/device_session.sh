@@ -4,7 +4,8 @@
 # steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
 # test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
 # that bench row) | variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the
-# bench's run of that model and stage with the flags added, to $OUT/variants.jsonl) |
+# bench's run of that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
+# e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead) |
 # resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
 # stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
@@ -47,7 +48,8 @@ for step in "$@"; do
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
       MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps ${flags//,/ } \
-        2>&1 | tail -1 | cut -c1-400;;
+        > $OUT/variant-$name.out 2>&1
+      echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;
     cupti)
       timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
       echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;

@@ -153,11 +153,13 @@ if __name__ == "__main__":
     PROFILE_STEPS = (10, 15)
     plain = "--plain" in argv
     argv = [a for a in argv if a != "--plain"]
-    if argv and argv[0] == "--steps":
-        a, b = argv[1].split(":")
-        PROFILE_STEPS, argv = (int(a), int(b)), argv[2:]
-    if argv and argv[0] == "--pstats":
-        PSTATS, argv = argv[1], argv[2:]
+    while argv and argv[0] in ("--steps", "--pstats"):  # (in either order, before the finetune.py flags)
+        if argv[0] == "--steps":
+            a, b = argv[1].split(":")
+            PROFILE_STEPS = (int(a), int(b))
+        else:
+            PSTATS = argv[1]
+        argv = argv[2:]
     if plain:
         profile_plain_loop(argv)
     else:

@@ -4,21 +4,26 @@
 
 Reads two `pstats` files (`host_profile.py --pstats`, one run with the Trainer, one with `--plain`) that cover as
 many optimizer steps, and prints the functions whose own time (tottime) per step is larger in the first, with their
-calls per step in each. Paths are shown from `site-packages/` (or the repository) on.
+calls per step in each. Paths are shown from `site-packages/` on, or from the repository's root.
 """
 
 from __future__ import annotations
 
 import argparse
 import pstats
+import re
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[2]) + "/"
 
 
 def own_times(path: str) -> dict[tuple, tuple[float, int]]:
     """(file, line, function) -> (own seconds, calls)."""
     out = {}
     for (file, line, func), (_, calls, tottime, _, _) in pstats.Stats(path).stats.items():
-        file = file.split("site-packages/")[-1]
-        out[(file, line, func)] = (tottime, calls)
+        file = file.split("site-packages/")[-1].replace(REPO, "")
+        func = re.sub(r" at 0x[0-9a-f]+", "", func)  # (a function's address differs between the two processes)
+        out[(file, line, func)] = tuple(map(sum, zip(out.get((file, line, func), (0.0, 0)), (tottime, calls))))
     return out
 
 

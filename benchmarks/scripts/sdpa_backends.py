@@ -12,10 +12,12 @@ warm-up calls, CUDA events) and TFLOP/s counting causal attention as half the sc
 papers do); a backend that cannot run a shape says why. Used to see what the `fastest` rung's attention costs (a
 profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 45 ms per step).
 
-`--kernels`: also profile one forward + backward of PyTorch's choice per shape (torch.profiler, CUDA activity) and
-print the kernels it ran with their device times, to set beside a training step's profile: in GPT-2's `fastest` step
-cuDNN ran `..._flash_fprop_wgmma_f16_knob_7_...` at 0.45 ms and `..._flash_bprop_wgmma_f16_knob_26_...` at 0.63-0.68
-ms per layer, twice the 0.575 ms these timings gave the whole call alone; a different plan would show here.
+`--kernels`: after all the timings, also profile one forward + backward of PyTorch's choice per shape
+(torch.profiler, CUDA activity) and print the kernels it ran with their device times, to set beside a training
+step's profile. In GPT-2's `fastest` step cuDNN ran `..._flash_fprop_wgmma_f16_knob_7_...` (0.45 ms) and
+`..._flash_bprop_wgmma_f16_knob_26_...` (0.63 ms) per layer: 1.08 ms, about 1.7 times the 0.65 ms that these
+timings gave the whole call in GPT-2's layout (`../h200-2026-12-01-ladder/second-session/sdpa.log`). A different
+plan would show here.
 """
 
 import json
@@ -46,6 +48,10 @@ SHAPES = {
     "bert, padded (no dropout)": (128, 12, 128, 64, False, True, 0.0),
     "bert, no mask (dropout 0.1)": (128, 12, 128, 64, False, False, 0.1),
 }
+
+
+KERNELS = "--kernels" in sys.argv
+profiles = []  # (row, its call) of PyTorch's choice per shape, for --kernels
 
 
 def measure(
@@ -82,7 +88,7 @@ def measure(
                 picked = torch._fused_sdp_choice(*heads(), attn_mask=mask, dropout_p=dropout, is_causal=causal)
                 row["picked"] = SDPBackend(picked).name  # which backend PyTorch's choice is
                 if KERNELS:
-                    row["kernels"] = profiled_kernels(step)
+                    profiles.append((row, step))  # profiled after every timing (CUPTI stays attached after it)
             else:
                 with sdpa_kernel([sdp]):
                     row["ms"] = cuda_timer(step, budget_s=0.5, max_reps=20)
@@ -93,8 +99,6 @@ def measure(
         ms = f"{row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" if "ms" in row else row["error"]
         ms += f" ({row['picked']})" if "picked" in row else ""
         print(f"{name:28s} {backend:10s} {ms}", flush=True)
-        for kernel, us in row.get("kernels", []):
-            print(f"{'':40s}{us:9.1f} us  {kernel[:110]}", flush=True)
     return rows
 
 
@@ -108,12 +112,14 @@ def profiled_kernels(step) -> list[tuple[str, float]]:
     return [(e.name, e.device_time_total) for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
-KERNELS = "--kernels" in sys.argv
-
-
 def main(out: str | None) -> None:
     torch.manual_seed(0)
     rows = [row for name, shape in SHAPES.items() for row in measure(name, *shape)]
+    for row, step in profiles:
+        row["kernels"] = profiled_kernels(step)
+        print(f"{row['shape']:28s} {row['backend']:10s} kernels:", flush=True)
+        for kernel, us in row["kernels"]:
+            print(f"{'':40s}{us:9.1f} us  {kernel[:110]}", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -109,14 +109,15 @@ def classify_kernels(names) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
-# On an H200 (torch 2.11) every CUDA profile of a process came back empty once a CPU-only torch.profiler session had
-# run after a profile that detached CUPTI (benchmarks/h200-2026-12-01-auto-rounds: whatever the detach's timing or
-# kineto's lazy re-init); without the detach, every profile recorded its kernels.
+# On an H200 (torch 2.11), in fresh processes, every CUDA profile came back empty once a CPU-only torch.profiler
+# session had run after a profile that detached CUPTI, whatever the detach's timing or kineto's lazy re-init;
+# without the detach every profile recorded its kernels. In a longer process some later profiles still recorded
+# (benchmarks/h200-2026-12-01-auto-rounds).
 EMPTY_PROFILE = (
-    "hf_apex: the kernel profile recorded no CUDA kernel, so this run's kernel proof reads 'unverified'. On torch "
-    "2.11 this happens to every profile of a process once a CPU-only torch.profiler session has run in it after a "
-    "profile that detached CUPTI (as hf_apex's do, to keep later launches fast). Export TEARDOWN_CUPTI=0 before the "
-    "process's first profile to keep every proof; CUPTI then stays attached, which slows later kernel launches."
+    "hf_apex: the kernel profile recorded no CUDA kernel, so a kernel proof from it reads 'unverified'. On torch 2.11 "
+    "this was seen after a CPU-only torch.profiler session had run in the process following a profile that "
+    "detached CUPTI (as hf_apex's do, to keep later launches fast). Exporting TEARDOWN_CUPTI=0 before the process's "
+    "first profile kept every proof there; CUPTI then stays attached, which slows later kernel launches."
 )
 
 

@@ -20,11 +20,10 @@ from tests.testing_utils import TokenDataset, loss_curve_agreement, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda]
 
-OPS = {
+OPS = {  # (math decomposes into plain operators: a region that ran it shows none of these)
     "cudnn": "aten::_scaled_dot_product_cudnn_attention",
     "flash": "aten::_scaled_dot_product_flash_attention",
     "efficient": "aten::_scaled_dot_product_efficient_attention",
-    "math": "aten::_scaled_dot_product_attention_math",
 }
 
 
@@ -55,9 +54,9 @@ def train(tmp_path, **kw):
 
 
 class SdpaOps(TorchDispatchMode):
-    """The SDPA backends whose operators a region dispatches (math decomposes into plain ones, so it never shows).
-    Not a CPU-only profile: after a CUPTI detach, one empties every later CUDA profile of the process, and this
-    module's tests run several Trainers in one process (benchmarks/h200-2026-12-01-auto-rounds)."""
+    """The fused SDPA backends whose operators a region dispatches. Not a CPU-only profile: after a CUPTI detach, one
+    can leave the later CUDA profiles of the process empty, and this module's tests run several Trainers in one
+    process (benchmarks/h200-2026-12-01-auto-rounds)."""
 
     def __init__(self):
         super().__init__()
@@ -78,11 +77,12 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
     # rounding is not a fused kernel's)
     assert len([k for k in ("flash", "cudnn", "efficient") if decision["parity_ok"].get(k)]) >= 2, decision
     assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.sdpa_backend
-    assert ran == ({trainer.sdpa_backend} if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
+    kept = {trainer.sdpa_backend} & set(OPS)  # (nothing to see for math)
+    assert ran == (kept if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
     assert fastest["kernels"]["attention_backend"] == trainer.sdpa_backend
     if trainer.sdpa_backend in ("flash", "cudnn", "efficient"):  # the metrics' own profile names it from its kernels
         assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.sdpa_backend], fastest["kernels"]["profiled"]
-    assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran - {"math"}), default["kernels"]["profiled"]
+    assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran), default["kernels"]["profiled"]
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5
     )
@@ -112,8 +112,9 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
 
 
 # hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it, each around
-# one backend's training call, and between them nothing else or a user's CPU-only profile. On an H200 (torch 2.11)
-# every CUDA profile after such a CPU-only profile came back empty (benchmarks/h200-2026-12-01-auto-rounds).
+# one backend's training call, and between them nothing else or a user's CPU-only profile. On an H200 (torch 2.11),
+# in fresh processes, every CUDA profile after such a CPU-only profile came back empty; in a pytest process some
+# later ones recorded (benchmarks/h200-2026-12-01-auto-rounds). Either way an empty one must not name a backend.
 PROFILES = """
 import json, sys, torch
 from hf_apex.kernels import attention, trace

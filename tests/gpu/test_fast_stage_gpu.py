@@ -12,7 +12,7 @@ tests/gpu/test_beyond_seed_gpu.py), the final evaluation loss within 2 %.
 BERT trains here without dropout. Inductor draws its own random numbers, so a compiled run's dropout masks are not
 eager's, and this random-init classifier first sits on the plateau of guessing (loss ln 2) for tens of steps; when
 it leaves it is a random event. With dropout, on an H200 (benchmarks/h200-2026-12-01-auto-rounds), `torch_fused`
-left around step 60 and `fastest` around step 110: the 20-step means differed by up to 34 %, and the curves then
+left around step 60 and `fastest` around step 110: moving 20-step means differed by up to 34 %, and the curves then
 ran parallel to the same accuracy (78.1 against 77.9 %). Without dropout the two runs differ in rounding only, which
 is what this test is about. GPT-2 keeps its dropout: a language model's loss falls from the first step.
 """
