@@ -12,17 +12,19 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
-Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short
-to repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left
-out, see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune
-decisions or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it
-returns the model's SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves
-accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the
-model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`;
-and names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``call_model_init`` (rewires
-each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
-(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging
-window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like ``Trainer``.
+Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short to
+repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left out,
+see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions
+or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the
+model's SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32
+conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and
+backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
+``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
+mode that records CUDA graphs, each optimizer step marks the start of the next, see ``CUDA_GRAPH_MODES``),
+``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint),
+``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of
+the current logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like
+``Trainer``.
 """
 
 from __future__ import annotations
@@ -191,6 +193,17 @@ def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
     if not args.drop_full_attention_mask:
         return False
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
+
+
+# torch.compile modes that record CUDA graphs (Inductor's cudagraph trees): a graph's outputs live in memory that its
+# next replay reuses, so a training loop marks where each step begins (torch.compiler.cudagraph_mark_step_begin).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(args) -> bool:
+    """Whether a run's ``torch_compile_mode`` records CUDA graphs."""
+    compiled = bool(getattr(args, "torch_compile", False))
+    return compiled and getattr(args, "torch_compile_mode", None) in CUDA_GRAPH_MODES
 
 
 class ApexTrainer(Trainer):
@@ -424,6 +437,16 @@ class ApexTrainer(Trainer):
 
             return apex_optimizer_cls_and_kwargs(args, model, choose)
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if uses_cuda_graphs(self.args) and not getattr(optimizer, "_hf_apex_marks_steps", False):
+            # Once the optimizer has stepped, the step's graph outputs (its gradients among them) are done with: the
+            # next step's replays may reuse their memory. Once per optimizer step, so under gradient accumulation the
+            # micro-batches' gradients are not overwritten before the step.
+            optimizer.register_step_post_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
+            optimizer._hf_apex_marks_steps = True
+        return optimizer
 
     # A resumed run must rebuild the optimizer whose state it loads: keep this run's decisions with the checkpoint
     # (written first, so that a checkpoint pushed to the Hub carries them too).

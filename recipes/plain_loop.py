@@ -32,7 +32,7 @@ from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile
+from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile, uses_cuda_graphs
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -111,9 +111,12 @@ def main(out_json: str, argv: list[str]) -> dict:
     if attention == "fastest":
         attention = tuner.choose_attention(capture_attention(loss_fn))
     timer, losses = StepTimer(cuda), []
+    graphs = uses_cuda_graphs(args)  # as ApexTrainer: each step's start marked for the CUDA graphs
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         timer.start()
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16), preferring(attention):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
@@ -125,7 +128,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         scheduler.step()
         model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
         timer.stop()
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if graphs else loss.detach())  # (a graph output: replays reuse it)
         if step % args.logging_steps == 0:
             float(loss.detach())  # the Trainer reads the loss when it logs; so does this loop
     ms = timer.drain(final=True)
