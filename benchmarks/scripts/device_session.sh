@@ -1,7 +1,9 @@
 #!/bin/bash
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
-# steps: setup (install hf_apex, build apex unless its kernels are there) | testgpu | fast (the fastest-rung loss
+# steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built unless its kernels are there) |
+# apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
+# to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
 # test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
 # that bench row) | variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the
 # bench's run of that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
@@ -29,11 +31,19 @@ for step in "$@"; do
   case $step in
     setup)
       make install OFFLINE=1 2>&1 | tail -2
+      if ls .deps/apex-prebuilt/*.part-* > /dev/null 2>&1; then  # a build of an earlier session (step apexpack)
+        cat .deps/apex-prebuilt/*.part-* | tar xzf - -C /tmp/site && echo "apex: the prebuilt copy in .deps/apex-prebuilt"
+      fi
       if ! python3 -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
         timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex > $OUT/apex.log 2>&1; echo "apex rc $?"
         tail -4 $OUT/apex.log
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader;;
+    apexpack)  # the installed apex (package, dist-info, build record, the extensions hf_apex loads) for .deps/apex-prebuilt
+      site=$(cd / && python3 -c "import apex, pathlib; print(pathlib.Path(apex.__file__).parents[1])")
+      files=$(cd $site && ls -d apex apex-*.dist-info amp_C*.so fused_layer_norm_cuda*.so apex_C*.so 2> /dev/null)
+      (cd $site && tar czf - $files) | split -b 15m - $OUT/apex-prebuilt.tgz.part-
+      ls -la $OUT/apex-prebuilt.tgz.part-*;;
     testgpu)
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) make test-gpu OFFLINE=1 \
         PYTEST_ARGS="--ignore=tests/gpu/test_fast_stage_gpu.py -p no:cacheprovider -rfEs --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
