@@ -20,7 +20,7 @@ model's SDPA masks decided without reading a tensor), ``training_step`` (the run
 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and
 backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
 ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
-mode that records CUDA graphs, each optimizer step marks the start of the next, see ``CUDA_GRAPH_MODES``),
+mode that records CUDA graphs, each optimizer step marks the start of the next, see ``uses_cuda_graphs``),
 ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint),
 ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of
 the current logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like
@@ -195,15 +195,16 @@ def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 
 
-# torch.compile modes that record CUDA graphs (Inductor's cudagraph trees): a graph's outputs live in memory that its
-# next replay reuses, so a training loop marks where each step begins (torch.compiler.cudagraph_mark_step_begin).
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def uses_cuda_graphs(args) -> bool:
-    """Whether a run's ``torch_compile_mode`` records CUDA graphs."""
-    compiled = bool(getattr(args, "torch_compile", False))
-    return compiled and getattr(args, "torch_compile_mode", None) in CUDA_GRAPH_MODES
+    """Whether a run's ``torch_compile_mode`` records CUDA graphs (Inductor's cudagraph trees), as torch's own table
+    of what each mode sets says. A graph's outputs live in memory that its next replay reuses, so a training loop
+    marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
+    mode = getattr(args, "torch_compile_mode", None)
+    if not getattr(args, "torch_compile", False) or not mode:
+        return False
+    import torch._inductor
+
+    return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
 
 
 class ApexTrainer(Trainer):
