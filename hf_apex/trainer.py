@@ -42,6 +42,7 @@ from types import MethodType
 import torch
 from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
@@ -363,7 +364,10 @@ class ApexTrainer(Trainer):
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         with preferring(self.sdpa_backend):
-            return super().prediction_step(model, inputs, *args, **kwargs)
+            outputs = super().prediction_step(model, inputs, *args, **kwargs)
+        if uses_cuda_graphs(self.args):  # the next batch's replay reuses this one's output memory: keep copies
+            outputs = tree_map_only(torch.Tensor, torch.clone, outputs)
+        return outputs
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:
         if resume_from_checkpoint is True:

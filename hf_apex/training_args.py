@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +12,8 @@ from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .stages import APEX_OPTIMIZERS, STAGES, get_stage
+
+logger = logging.getLogger("hf_apex")
 
 
 @dataclass
@@ -23,10 +27,12 @@ class ApexTrainingArguments(TrainingArguments):
         stage (`str` or `None`, *optional*, defaults to `None`):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
-            `apex_fused_norms`, `autotune`, `torch_compile`, `fused_linear_cross_entropy`, `attention_backend`,
-            `tf32` and the AMP flags; setting any of them to something the stage contradicts raises `ValueError`
-            (`compile_min_steps` and `attention_backend` excepted: the stage's value is a default). `None` leaves
-            every switch to you.
+            `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `fused_linear_cross_entropy`,
+            `attention_backend`, `tf32` and the AMP flags; setting any of them to something the stage contradicts
+            raises `ValueError` (`torch_compile_mode`, `compile_min_steps` and `attention_backend` excepted: the
+            stage's value is a default, and a mode on a stage that does not compile is an error). `fastest` compiles
+            with CUDA graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or
+            FSDP (not measured there). `None` leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -253,7 +259,7 @@ class ApexTrainingArguments(TrainingArguments):
         """Set every argument of the stage's row; refuse a value of yours that contradicts it."""
         stage = get_stage(self.stage)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        user_bf16, user_fp16 = self.bf16, self.fp16
+        user_bf16, user_fp16, user_mode = self.bf16, self.fp16, self.torch_compile_mode
         for name, value in stage.settings().items():
             current = getattr(self, name)
             current = getattr(current, "value", current)  # optim may be an OptimizerNames enum
@@ -265,6 +271,20 @@ class ApexTrainingArguments(TrainingArguments):
                     "drop it or pick another stage."
                 )
             setattr(self, name, value)
+        if self.torch_compile_mode is not None and not stage.torch_compile:
+            raise ValueError(
+                f"stage={stage.name!r} ({stage.summary}) does not compile, but you set "
+                f"torch_compile_mode={self.torch_compile_mode!r}; pick a stage that compiles (compiled, fastest)."
+            )
+        processes = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun and accelerate launch
+        if user_mode is None and stage.torch_compile_mode is not None and processes > 1:
+            # CUDA graphs have been measured here on one process only (not with DDP's or FSDP's collectives)
+            logger.warning(
+                "hf_apex: stage %r: %d processes, so torch.compile keeps its default mode, not the stage's %r "
+                "(unmeasured with more than one process; --torch_compile_mode %s to use it anyway).",
+                stage.name, processes, stage.torch_compile_mode, stage.torch_compile_mode,
+            )
+            self.torch_compile_mode = None
         # The row says autocast or FP32; amp_dtype="fp16" (or --fp16) makes the autocast FP16 with a GradScaler.
         if user_fp16 and not stage.bf16:
             raise ValueError(f"stage={stage.name!r} ({stage.summary}) runs in FP32, but you set fp16=True.")

@@ -293,6 +293,20 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
     assert len(metrics["loss_history"]) == 6
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_evaluation_keeps_copies_of_what_the_next_cuda_graph_replay_overwrites(tmp_path, mode):
+    model = tiny_model("gpt2").eval()
+    args = train_args(tmp_path, stage="compiled", torch_compile_mode=mode)
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+    produced = []
+    model.register_forward_hook(lambda module, inputs, outputs: produced.append(outputs.logits))
+    batch = trainer.data_collator([TokenDataset()[i] for i in range(2)])
+    loss, logits, labels = trainer.prediction_step(model, batch, prediction_loss_only=False)
+    assert torch.equal(logits, produced[0]) and loss.ndim == 0
+    # Under CUDA graphs the model's outputs are views of a graph's memory: the Trainer's copy must be its own
+    assert (logits.data_ptr() == produced[0].data_ptr()) is (mode is None)
+
+
 def test_auto_stage_without_kernels_states_every_fallback(tmp_path):
     trainer = ApexTrainer(
         model=tiny_model("llama").train(), args=train_args(tmp_path, stage="auto"), train_dataset=TokenDataset()

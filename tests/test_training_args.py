@@ -45,6 +45,23 @@ def test_beyond_seed_stages(stage, optim, apex_optimizer, fused_norms, compile_,
     assert (args.torch_compile, args.autotune, args.bf16, args.tf32) == (compile_, autotune, True, False)
 
 
+def test_fastest_compiles_with_cuda_graphs_in_one_process_only(monkeypatch, caplog):
+    assert make(stage="fastest").torch_compile_mode == "reduce-overhead"
+    assert make(stage="compiled").torch_compile_mode is None
+    assert make(stage="fastest", torch_compile_mode="max-autotune").torch_compile_mode == "max-autotune"  # yours wins
+    # Under torchrun (WORLD_SIZE=2): the stage's row applied again, since building arguments there would set up
+    # torch.distributed for the rest of this process
+    args, yours = make(stage="fastest"), make(stage="fastest", torch_compile_mode="reduce-overhead")
+    args.torch_compile_mode = None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        args._apply_stage()
+        yours._apply_stage()
+    assert args.torch_compile and args.torch_compile_mode is None
+    assert "2 processes, so torch.compile keeps its default mode" in caplog.text
+    assert yours.torch_compile_mode == "reduce-overhead"
+
+
 def test_fused_full_with_fp16():
     args = make(stage="fused_full", amp_dtype="fp16")
     assert args.fp16 and not args.bf16
@@ -67,6 +84,7 @@ def test_fused_full_with_fp16():
         (dict(stage="warp_speed"), "Unknown stage"),
         (dict(stage="fused_full", torch_compile=True), "torch_compile"),
         (dict(stage="fused_full", autotune=True), "autotune"),
+        (dict(stage="torch_fused", torch_compile_mode="reduce-overhead"), "does not compile.*torch_compile_mode"),
         (dict(stage="torch_fused", optim="adamw_torch"), "optim"),
         (dict(apex_optimizer="adamax"), "apex_optimizer"),
         (dict(metrics_warmup_steps=-1), "metrics_warmup_steps"),
