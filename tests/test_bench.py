@@ -231,6 +231,7 @@ def test_loss_curve_agreement():
     assert same["max_rel_gap_smoothed"] == 0 and same["steps"] == 100
     off = loss_curve_agreement(a, [x * 1.05 for x in a])
     assert off["final_rel_gap"] == pytest.approx(0.05 / 1.05)
+    assert len(off["gaps"]) == 81 and off["gaps"][0] == pytest.approx(0.05 / 1.05)  # one per step from step 20 on
     with pytest.raises(ValueError):
         loss_curve_agreement(a[:5], a[:5])
 

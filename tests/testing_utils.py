@@ -117,7 +117,8 @@ class TokenDataset(torch.utils.data.Dataset):
 
 def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> dict[str, float]:
     """How closely two same-seed loss curves agree: the largest relative gap between their moving averages
-    (``window`` steps, after the first window) and the relative gap between their last-window means."""
+    (``window`` steps, after the first window) and the relative gap between their last-window means; ``gaps``: the
+    gap at each step from the first window's end on."""
     n = min(len(a), len(b))
     if n < window:
         raise ValueError(f"need at least {window} losses per curve, got {n}")
@@ -127,4 +128,4 @@ def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> di
 
     sa, sb = smooth(a[:n]), smooth(b[:n])
     gaps = [abs(x - y) / abs(y) for x, y in zip(sa, sb)]
-    return {"max_rel_gap_smoothed": max(gaps), "final_rel_gap": gaps[-1], "steps": n, "window": window}
+    return {"max_rel_gap_smoothed": max(gaps), "final_rel_gap": gaps[-1], "steps": n, "window": window, "gaps": gaps}

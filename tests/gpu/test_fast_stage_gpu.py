@@ -9,12 +9,17 @@ FP32 where the stock head rounds it once to BF16. Such differences grow over tra
 curves' own step-to-step noise: 20-step means within 2 % (what `compiled` against `torch_fused` holds,
 tests/gpu/test_beyond_seed_gpu.py), the final evaluation loss within 2 %.
 
-BERT trains here without dropout. Inductor draws its own random numbers, so a compiled run's dropout masks are not
-eager's, and this random-init classifier first sits on the plateau of guessing (loss ln 2) for tens of steps; when
-it leaves it is a random event. With dropout, on an H200 (benchmarks/h200-2026-12-01-auto-rounds), `torch_fused`
-left around step 60 and `fastest` around step 110: moving 20-step means differed by up to 34 %, and the curves then
-ran parallel to the same accuracy (78.1 against 77.9 %). Without dropout the two runs differ in rounding only, which
-is what this test is about. GPT-2 keeps its dropout: a language model's loss falls from the first step.
+BERT trains here without dropout: Inductor draws its own random numbers, so with dropout a compiled run's masks are
+not eager's. That was not all. This random-init, post-LayerNorm classifier at learning rate 1e-4 first sits on the
+plateau of guessing (loss ln 2), and its exit is chaotic: on an H200 (benchmarks/h200-2026-12-01-cuda-graphs), with
+no dropout, `fastest` and `torch_fused` agreed within 0.3 % for 60 steps, then their 20-step means parted by up to
+30 % (both ran above ln 2 for a while), and they ended at eval accuracy 75.8 against 77.3 %. So BERT's curves are
+held to what a change of rounding alone does to them: a third run, `torch_fused` with another exact attention
+kernel (SDPA's memory-efficient one for cuDNN's; eager, the same maths). Until that control departs from
+`torch_fused` by 2 %, `fastest` must agree within 2 %, for at least 40 steps; after it, `fastest` may depart by up
+to twice what the control does (the eval loss too). Where the control stays within 2 % throughout, the test is the
+strict one. GPT-2 and Llama keep their dropout and the strict test: a language model's loss falls from the first
+step. (Not yet run on a GPU.)
 """
 
 import gc
@@ -38,11 +43,15 @@ import finetune  # noqa: E402
 STEPS = 200
 
 
-def run(model: str, stage: str, out: Path) -> dict:
+# `torch_fused` with another exact attention kernel: a change of rounding only (BERT's torch_fused runs cuDNN's)
+CONTROL = ["--attention_backend", "efficient"]
+
+
+def run(model: str, stage: str, out: Path, extra: list[str] = ()) -> dict:
     opts = bench.parse_args(["--data_dir", str(SHARED_DATA), "--steps", str(STEPS), "--warmup", "0"])
     opts.tiny = False
     torch._dynamo.reset()  # no compiled code or recompile count carried over from the previous run
-    args = bench.finetune_args(model, stage, opts, out) + ["--logging_steps", "1"]
+    args = bench.finetune_args(model, stage, opts, out) + ["--logging_steps", "1", *extra]
     if model == "bert":  # without dropout (above); the bench gives BERT no overrides of its own for this to replace
         assert "--config_overrides" not in args
         args += ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
@@ -52,13 +61,30 @@ def run(model: str, stage: str, out: Path) -> dict:
     return json.loads((out / METRICS_FILENAME).read_text())
 
 
+def losses(metrics: dict) -> list[float]:
+    return [h["loss"] for h in metrics["loss_history"]]
+
+
 @pytest.mark.parametrize("model", ["gpt2", "llama", "bert"])
 def test_fastest_trains_like_torch_fused_on_real_data(model, tmp_path):
     fast, eager = run(model, "fastest", tmp_path / "fastest"), run(model, "torch_fused", tmp_path / "torch_fused")
     assert fast["run"]["torch_compile"] and not eager["run"]["torch_compile"]
     assert fast["lm_loss"]["fused_linear_cross_entropy"] == (model != "bert")  # BERT classifies: its own loss
-    losses = [[h["loss"] for h in m["loss_history"]] for m in (fast, eager)]
-    assert len(losses[0]) == len(losses[1]) == STEPS
-    agreement = loss_curve_agreement(*losses, window=20)
-    assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
-    assert fast["eval"]["eval_loss"] == pytest.approx(eager["eval"]["eval_loss"], rel=0.02)
+    assert len(losses(fast)) == len(losses(eager)) == STEPS
+    agreement = loss_curve_agreement(losses(fast), losses(eager), window=20)
+    eval_gap = abs(fast["eval"]["eval_loss"] / eager["eval"]["eval_loss"] - 1)
+    if model != "bert":
+        assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
+        assert eval_gap < 0.02
+        return
+    control = run(model, "torch_fused", tmp_path / "control", CONTROL)
+    assert control["kernels"]["attention_backend"] == "efficient"
+    ran = [m["kernels"]["profiled"]["sdpa"] for m in (control, eager)]
+    assert not all(ran) or ran[0] != ran[1], ran  # another kernel indeed, where both profiles recorded one
+    chance = loss_curve_agreement(losses(control), losses(eager), window=20)
+    steady = next((i for i, gap in enumerate(chance["gaps"]) if gap >= 0.02), len(chance["gaps"]))
+    summary = {"fastest": agreement, "control": chance, "control steady for": steady}
+    assert steady >= 20, summary  # the first 40 steps at least: else the control says nothing
+    assert max(agreement["gaps"][:steady]) < 0.02, summary
+    assert agreement["max_rel_gap_smoothed"] <= max(0.02, 2 * chance["max_rel_gap_smoothed"]), summary
+    assert eval_gap <= max(0.02, 2 * abs(control["eval"]["eval_loss"] / eager["eval"]["eval_loss"] - 1)), summary
