@@ -282,7 +282,10 @@ class ApexTrainingArguments(TrainingArguments):
             logger.warning(
                 "hf_apex: stage %r: %d processes, so torch.compile keeps its default mode, not the stage's %r "
                 "(unmeasured with more than one process; --torch_compile_mode %s to use it anyway).",
-                stage.name, processes, stage.torch_compile_mode, stage.torch_compile_mode,
+                stage.name,
+                processes,
+                stage.torch_compile_mode,
+                stage.torch_compile_mode,
             )
             self.torch_compile_mode = None
         # The row says autocast or FP32; amp_dtype="fp16" (or --fp16) makes the autocast FP16 with a GradScaler.

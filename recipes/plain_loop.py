@@ -138,6 +138,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         "warmup_steps": args.metrics_warmup_steps,
         "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": [float(v) for v in losses],
+        "torch_compile_mode": args.torch_compile_mode if args.torch_compile else None,  # as the Trainer's metrics
     }
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(result, indent=2) + "\n")

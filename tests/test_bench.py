@@ -260,6 +260,7 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
             assert key in r
     plain = json.loads((tmp_path / "runs" / "gpt2-fused_full-plain.json").read_text())
     assert len(plain["steps_ms"]) == 3 and len(plain["losses"]) == 3  # the plain loop ran the same 1 + 2 steps
+    assert plain["torch_compile_mode"] is None  # fused_full does not compile
     # Nothing written names a path of this machine.
     for path in tmp_path.rglob("*.json"):
         assert not re.search(r'"/(tmp|home|root|work)/', path.read_text()), path
