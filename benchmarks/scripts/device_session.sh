@@ -7,7 +7,8 @@
 # test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
 # that bench row) | variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the
 # bench's run of that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
-# e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead) |
+# e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead; a flag +NAME=VALUE sets an environment
+# variable for that run instead, e.g. +WRAPPER=benchmarks/scripts/with_config.py,+TORCH_CONFIG=torch._functorch.config.activation_memory_budget=0.5) |
 # resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
 # stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
@@ -57,8 +58,10 @@ for step in "$@"; do
       echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
-      MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps ${flags//,/ } \
-        > $OUT/variant-$name.out 2>&1
+      envs=(); args=()
+      for f in ${flags//,/ }; do [[ $f == +* ]] && envs+=("${f#+}") || args+=("$f"); done
+      env "${envs[@]}" MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps \
+        "${args[@]}" > $OUT/variant-$name.out 2>&1
       echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;
     cupti)
       timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
