@@ -21,10 +21,12 @@ conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it f
 backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
 ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
 mode that records CUDA graphs, each optimizer step marks the start of the next, see ``uses_cuda_graphs``),
-``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint),
-``floating_point_ops`` (counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of
-the current logging window; local, no collective). With plain ``TrainingArguments`` it behaves exactly like
-``Trainer``.
+``prediction_step`` (under the SDPA backend chosen; under CUDA graphs, it keeps a copy of each batch's logits, whose
+memory the next replay reuses), ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune
+decisions into the checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and
+``log`` (merges the stage metrics of the current logging window; local, no collective). With plain
+``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode with CUDA graphs gets the step marks and
+the logits' copies it needs.
 """
 
 from __future__ import annotations
@@ -365,8 +367,9 @@ class ApexTrainer(Trainer):
     def prediction_step(self, model, inputs, *args, **kwargs):
         with preferring(self.sdpa_backend):
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
-        if uses_cuda_graphs(self.args):  # the next batch's replay reuses this one's output memory: keep copies
-            outputs = tree_map_only(torch.Tensor, torch.clone, outputs)
+        if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy
+            loss, logits, labels = outputs  # (the loss is a new tensor already, the labels are the batch's)
+            outputs = loss, tree_map_only(torch.Tensor, torch.clone, logits), labels
         return outputs
 
     def _checkpoint_decisions(self, resume_from_checkpoint) -> dict | None:

@@ -127,9 +127,10 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
-    > `torch_compile`, `autotune`, `fused_linear_cross_entropy`, `attention_backend`, `tf32=False`); a value you set
-    > that the stage contradicts is a `ValueError`, except for `compile_min_steps` and `attention_backend`, whose
-    > stage values are defaults.
+    > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `attention_backend`,
+    > `tf32=False`); a value you set that the stage contradicts is a `ValueError`, except for `torch_compile_mode`,
+    > `compile_min_steps` and `attention_backend`, whose stage values are defaults. A compile mode or backend on a
+    > stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
     > a stage overrides it.
@@ -271,12 +272,13 @@ class ApexTrainingArguments(TrainingArguments):
                     "drop it or pick another stage."
                 )
             setattr(self, name, value)
-        if self.torch_compile_mode is not None and not stage.torch_compile:
-            raise ValueError(
-                f"stage={stage.name!r} ({stage.summary}) does not compile, but you set "
-                f"torch_compile_mode={self.torch_compile_mode!r}; pick a stage that compiles (compiled, fastest)."
-            )
-        processes = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun and accelerate launch
+        for name in ("torch_compile_mode", "torch_compile_backend"):  # either turns torch_compile on
+            if getattr(self, name) is not None and not stage.torch_compile:
+                raise ValueError(
+                    f"stage={stage.name!r} ({stage.summary}) does not compile, but you set "
+                    f"{name}={getattr(self, name)!r}; pick a stage that compiles (compiled, fastest)."
+                )
+        processes = int(os.environ.get("WORLD_SIZE") or 1)  # set by torchrun and accelerate launch
         if user_mode is None and stage.torch_compile_mode is not None and processes > 1:
             # CUDA graphs have been measured here on one process only (not with DDP's or FSDP's collectives)
             logger.warning(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hf_apex import STAGES
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 from tests.testing_utils import loss_curve_agreement
@@ -264,6 +265,9 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
     # Nothing written names a path of this machine.
     for path in tmp_path.rglob("*.json"):
         assert not re.search(r'"/(tmp|home|root|work)/', path.read_text()), path
+    # What a kept run is matched on includes the stage's row, which a flag-for-flag match would miss
+    kept = json.loads((tmp_path / "runs" / "gpt2-fused_full" / "bench_settings.json").read_text())
+    assert kept["stage"] == STAGES["fused_full"].settings() and kept["nproc"] == 1
     # A second call with --skip_existing reuses every run and rebuilds the same table...
     flags = "--steps 2 --warmup 1 --batch bert=4 --batch gpt2=4 --skip_existing"
     again = run_bench(generated_data, word_tokenizer, tmp_path, flags)

@@ -85,6 +85,7 @@ def test_fused_full_with_fp16():
         (dict(stage="fused_full", torch_compile=True), "torch_compile"),
         (dict(stage="fused_full", autotune=True), "autotune"),
         (dict(stage="torch_fused", torch_compile_mode="reduce-overhead"), "does not compile.*torch_compile_mode"),
+        (dict(stage="baseline", torch_compile_backend="inductor"), "does not compile.*torch_compile_backend"),
         (dict(stage="torch_fused", optim="adamw_torch"), "optim"),
         (dict(apex_optimizer="adamax"), "apex_optimizer"),
         (dict(metrics_warmup_steps=-1), "metrics_warmup_steps"),

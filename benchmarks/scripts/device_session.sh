@@ -59,7 +59,7 @@ for step in "$@"; do
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
       envs=(); args=()
-      for f in ${flags//,/ }; do [[ $f == +* ]] && envs+=("${f#+}") || args+=("$f"); done
+      for f in ${flags//,/ }; do [[ $f == +*=* ]] && envs+=("${f#+}") || args+=("$f"); done
       env "${envs[@]}" MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps \
         "${args[@]}" > $OUT/variant-$name.out 2>&1
       echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;

@@ -36,6 +36,7 @@ with log.open("w") as f:
 wall = time.time() - t0
 m = out / "hf_apex_metrics.json"
 row = {"name": name, "nproc": nproc, "stage": stage, "rc": rc, "wall_s": round(wall), "wrapper": wrapper or None}
+row.update(flags=extra, torch_config=os.environ.get("TORCH_CONFIG"))  # (benchmarks/scripts/with_config.py)
 if m.is_file():
     d = json.loads(m.read_text())
     row.update(

@@ -9,17 +9,18 @@ FP32 where the stock head rounds it once to BF16. Such differences grow over tra
 curves' own step-to-step noise: 20-step means within 2 % (what `compiled` against `torch_fused` holds,
 tests/gpu/test_beyond_seed_gpu.py), the final evaluation loss within 2 %.
 
-BERT trains here without dropout: Inductor draws its own random numbers, so with dropout a compiled run's masks are
-not eager's. That was not all. This random-init, post-LayerNorm classifier at learning rate 1e-4 first sits on the
-plateau of guessing (loss ln 2), and its exit is chaotic: on an H200 (benchmarks/h200-2026-12-01-cuda-graphs), with
-no dropout, `fastest` and `torch_fused` agreed within 0.3 % for 60 steps, then their 20-step means parted by up to
-30 % (both ran above ln 2 for a while), and they ended at eval accuracy 75.8 against 77.3 %. So BERT's curves are
-held to what a change of rounding alone does to them: a third run, `torch_fused` with another exact attention
-kernel (SDPA's memory-efficient one for cuDNN's; eager, the same maths). Until that control departs from
-`torch_fused` by 2 %, `fastest` must agree within 2 %, for at least 40 steps; after it, `fastest` may depart by up
-to twice what the control does (the eval loss too). Where the control stays within 2 % throughout, the test is the
-strict one. GPT-2 and Llama keep their dropout and the strict test: a language model's loss falls from the first
-step. (Not yet run on a GPU.)
+BERT trains here without dropout (Inductor draws its own random numbers, so with dropout a compiled run's masks
+are not eager's), and its curve is compared with `compiled`'s, not `torch_fused`'s. This random-init, post-LayerNorm
+classifier at learning rate 1e-4 first sits on the plateau of guessing (loss ln 2), and its exit is chaotic. On an
+H200 (benchmarks/h200-2026-12-01-cuda-graphs), with no dropout, the 20-step means of `fastest` and `torch_fused` kept
+within 0.4 % until step 65. Then they parted by up to 30 %, both rising above ln 2 for a while, and the runs ended at
+eval accuracy 75.8 against 77.3 %. A change of rounding anywhere in the step sets such an exit off on its own course.
+`compiled` rounds as `fastest` does (the same Inductor graphs, with the attention backend `fastest` chose); what
+`fastest` adds to it, CUDA graphs and the timed backend, must keep the curve within 2 %, the eval loss too. Against
+`torch_fused`, where only the outcome of a chaotic exit can be compared, eval accuracy must agree within 5 points (0.2
+and 1.5 points on the H200 in two sessions) and both runs must have left the plateau. GPT-2 and Llama keep their
+dropout and the strict test against `torch_fused`: a language model's loss falls from the first step. (The BERT part
+is not yet run on a GPU.)
 """
 
 import gc
@@ -41,10 +42,6 @@ import bench  # noqa: E402
 import finetune  # noqa: E402
 
 STEPS = 200
-
-
-# `torch_fused` with another exact attention kernel: a change of rounding only (BERT's torch_fused runs cuDNN's)
-CONTROL = ["--attention_backend", "efficient"]
 
 
 def run(model: str, stage: str, out: Path, extra: list[str] = ()) -> dict:
@@ -69,6 +66,7 @@ def losses(metrics: dict) -> list[float]:
 def test_fastest_trains_like_torch_fused_on_real_data(model, tmp_path):
     fast, eager = run(model, "fastest", tmp_path / "fastest"), run(model, "torch_fused", tmp_path / "torch_fused")
     assert fast["run"]["torch_compile"] and not eager["run"]["torch_compile"]
+    assert fast["run"]["torch_compile_mode"] == "reduce-overhead"  # CUDA graphs, in training and evaluation
     assert fast["lm_loss"]["fused_linear_cross_entropy"] == (model != "bert")  # BERT classifies: its own loss
     assert len(losses(fast)) == len(losses(eager)) == STEPS
     agreement = loss_curve_agreement(losses(fast), losses(eager), window=20)
@@ -77,14 +75,14 @@ def test_fastest_trains_like_torch_fused_on_real_data(model, tmp_path):
         assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
         assert eval_gap < 0.02
         return
-    control = run(model, "torch_fused", tmp_path / "control", CONTROL)
-    assert control["kernels"]["attention_backend"] == "efficient"
-    ran = [m["kernels"]["profiled"]["sdpa"] for m in (control, eager)]
-    assert not all(ran) or ran[0] != ran[1], ran  # another kernel indeed, where both profiles recorded one
-    chance = loss_curve_agreement(losses(control), losses(eager), window=20)
-    steady = next((i for i, gap in enumerate(chance["gaps"]) if gap >= 0.02), len(chance["gaps"]))
-    summary = {"fastest": agreement, "control": chance, "control steady for": steady}
-    assert steady >= 20, summary  # the first 40 steps at least: else the control says nothing
-    assert max(agreement["gaps"][:steady]) < 0.02, summary
-    assert agreement["max_rel_gap_smoothed"] <= max(0.02, 2 * chance["max_rel_gap_smoothed"]), summary
-    assert eval_gap <= max(0.02, 2 * abs(control["eval"]["eval_loss"] / eager["eval"]["eval_loss"] - 1)), summary
+    backend = fast["kernels"]["attention_backend"]  # the timed choice: a backend's name, or "torch"
+    same_rounding = run(
+        model, "compiled", tmp_path / "compiled", [] if backend == "torch" else ["--attention_backend", backend]
+    )
+    assert same_rounding["run"]["torch_compile_mode"] is None  # compiled: no CUDA graphs
+    agreement = loss_curve_agreement(losses(fast), losses(same_rounding), window=20)
+    assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
+    assert fast["eval"]["eval_loss"] == pytest.approx(same_rounding["eval"]["eval_loss"], rel=0.02)
+    accuracy = [m["eval"]["eval_accuracy"] for m in (fast, eager)]
+    assert abs(accuracy[0] - accuracy[1]) <= 0.05, accuracy
+    assert all(sum(run_losses[-20:]) / 20 < 0.6 for run_losses in (losses(fast), losses(eager)))  # off the plateau
