@@ -161,6 +161,7 @@ class BenchRow:
     loss_history: list[tuple[int, float]] | None = None  # (step, loss) as logged
     steps: int | None = None  # optimizer steps of the run (its LR schedule spans them)
     compiled: bool = False  # torch.compile: the first step holds the compilation
+    compile_mode: str | None = None  # its mode (None: torch's default; "reduce-overhead" records CUDA graphs)
     first_step_ms: float | None = None
     runs: int = 1  # processes run one after another for this row (bench --repeats); the figures pool them
     timed_steps_ms: Runs | None = None  # per run, the steps after warm-up in order (the intervals come from them)
@@ -252,6 +253,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         eval_value=eval_metrics.get(eval_key) if eval_key else None,
         world_size=metrics.get("run", {}).get("world_size", 1),
         compiled=bool(metrics.get("run", {}).get("torch_compile")),
+        compile_mode=metrics.get("run", {}).get("torch_compile_mode"),
         first_step_ms=metrics.get("run", {}).get("first_step_ms"),
         provenance=metrics.get("provenance"),
         loss_history=history or None,
@@ -408,7 +410,14 @@ def compilation_costs(rows: list[BenchRow]) -> list[str]:
             repaid = f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
         else:
             repaid = ", never repaid against torch_fused (no faster per step)"
-        out.append(f"{r.model} {r.stage}{gpus}: compilation {compile_ms / 1e3:.1f} s (first step){repaid}.")
+        mode = f", mode {r.compile_mode}" if r.compile_mode else ""
+        out.append(f"{r.model} {r.stage}{gpus}: compilation {compile_ms / 1e3:.1f} s (first step{mode}){repaid}.")
+        one = next((o for o in rows if (o.model, o.stage, o.world_size) == (r.model, r.stage, 1)), None)
+        if r.world_size > 1 and one is not None and one.compile_mode != r.compile_mode:
+            out.append(
+                f"{r.model} {r.stage}{gpus}: its scaling compares torch.compile mode {r.compile_mode or 'default'} "
+                f"with the one process's {one.compile_mode or 'default'}."
+            )
     return out
 
 

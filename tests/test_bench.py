@@ -654,6 +654,15 @@ def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
     alone = bench_report.compilation_costs([compiled])[0]  # no eager row: the first step's whole extra
     whole = (compiled.first_step_ms - compiled.step_time_ms_p50) / 1e3
     assert alone == f"gpt2 compiled: compilation {whole:.1f} s (first step)."
+    # The mode is named, and a multi-process row's scaling across modes is said to be one
+    graphs = dataclasses.replace(compiled, compile_mode="reduce-overhead")
+    ddp = dataclasses.replace(compiled, world_size=2)
+    lines = bench_report.compilation_costs([graphs, ddp])
+    assert lines[0] == f"gpt2 compiled: compilation {whole:.1f} s (first step, mode reduce-overhead)."
+    assert lines[-1] == (
+        "gpt2 compiled ×2: its scaling compares torch.compile mode default with the one process's reduce-overhead."
+    )
+    assert len(bench_report.compilation_costs([compiled, ddp])) == 2  # the same mode: nothing to say
 
 
 def test_the_plain_loop_trains_without_a_kv_cache_as_the_trainer_does(
