@@ -290,9 +290,12 @@ def test_a_model_in_eval_mode_is_timed_on_its_training_call(tmp_path):
     assert decision["key"]["dropout_p"] == pytest.approx(model.config.attn_pdrop)
 
 
-def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path):
-    trainer, step, evaluation, _, metrics = train(tmp_path, "c", attention_backend="fastest", torch_compile=True)
-    assert metrics["run"]["torch_compile"] and trainer.sdpa_backend == "math"
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])  # (on a CPU Inductor records no CUDA graphs)
+def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path, mode):
+    kw = dict(attention_backend="fastest", torch_compile=True, torch_compile_mode=mode)
+    trainer, step, evaluation, _, metrics = train(tmp_path, "c", **kw)
+    assert metrics["run"]["torch_compile"] and metrics["run"]["torch_compile_mode"] == mode
+    assert trainer.sdpa_backend == "math"
     assert step == evaluation == {MATH_OP}  # PyTorch's own choice here is the flash kernel (test above)
 
 
