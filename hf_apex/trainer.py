@@ -57,6 +57,7 @@ from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
+from .measure.report import compile_mode
 from .training_args import ApexTrainingArguments
 
 logger = logging.getLogger("hf_apex")
@@ -202,8 +203,8 @@ def uses_cuda_graphs(args) -> bool:
     """Whether a run's ``torch_compile_mode`` records CUDA graphs (Inductor's cudagraph trees), as torch's own table
     of what each mode sets says. A graph's outputs live in memory that its next replay reuses, so a training loop
     marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
-    mode = getattr(args, "torch_compile_mode", None)
-    if not getattr(args, "torch_compile", False) or not mode:
+    mode = compile_mode(args)
+    if not mode:
         return False
     import torch._inductor
 

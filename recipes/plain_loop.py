@@ -30,7 +30,7 @@ from hf_apex.kernels.attention import capture as capture_attention
 from hf_apex.kernels.attention import preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
-from hf_apex.measure.report import percentiles
+from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
 from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile, uses_cuda_graphs
 
@@ -138,7 +138,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         "warmup_steps": args.metrics_warmup_steps,
         "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": [float(v) for v in losses],
-        "torch_compile_mode": args.torch_compile_mode if args.torch_compile else None,  # as the Trainer's metrics
+        "torch_compile_mode": compile_mode(args),  # as the Trainer's metrics
     }
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(result, indent=2) + "\n")

@@ -72,6 +72,11 @@ def process_age_s() -> float | None:
     return round(age, 2) if age >= 0 else None
 
 
+def compile_mode(args) -> str | None:
+    """The ``torch.compile`` mode a run compiles with: None when it does not compile or takes torch's default."""
+    return getattr(args, "torch_compile_mode", None) if getattr(args, "torch_compile", False) else None
+
+
 def run_summary(
     *,
     stage: str | None,
@@ -112,9 +117,7 @@ def run_summary(
             "fp32_matmul_precision": torch.get_float32_matmul_precision(),  # what ran, whatever was asked
             "optimizer": optimizer,
             "torch_compile": bool(getattr(args, "torch_compile", False)),
-            "torch_compile_mode": getattr(args, "torch_compile_mode", None)
-            if getattr(args, "torch_compile", False)
-            else None,
+            "torch_compile_mode": compile_mode(args),
             # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
             "first_step_ms": records[0].ms if records else None,
             "seed": args.seed,
