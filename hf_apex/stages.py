@@ -94,7 +94,8 @@ STAGES: dict[str, StageConfig] = {
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
             # from 33.4 ms (p20-p80 30.3-36.9, host-bound) to 26.7 ms (26.6-27.0); GPT-2's, device-bound, took
             # 45.6 ms, level with an earlier default-mode run on another machine (45.4 ms;
-            # benchmarks/h200-2026-12-01-cuda-graphs). Multi-process runs keep torch's default mode.
+            # benchmarks/h200-2026-12-01-cuda-graphs). Multi-process runs and gradient accumulation keep torch's
+            # default mode.
             torch_compile_mode="reduce-overhead",
             fused_linear_cross_entropy=True,
             attention_backend="fastest",

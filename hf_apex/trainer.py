@@ -57,8 +57,7 @@ from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
-from .measure.report import compile_mode
-from .training_args import ApexTrainingArguments
+from .training_args import ApexTrainingArguments, uses_cuda_graphs
 
 logger = logging.getLogger("hf_apex")
 
@@ -197,18 +196,6 @@ def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
     if not args.drop_full_attention_mask:
         return False
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
-
-
-def uses_cuda_graphs(args) -> bool:
-    """Whether a run's ``torch_compile_mode`` records CUDA graphs (Inductor's cudagraph trees), as torch's own table
-    of what each mode sets says. A graph's outputs live in memory that its next replay reuses, so a training loop
-    marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
-    mode = compile_mode(args)
-    if not mode:
-        return False
-    import torch._inductor
-
-    return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
 
 
 class ApexTrainer(Trainer):
@@ -451,8 +438,8 @@ class ApexTrainer(Trainer):
         optimizer = super().create_optimizer(*args, **kwargs)
         if uses_cuda_graphs(self.args) and not getattr(optimizer, "_hf_apex_marks_steps", False):
             # Once the optimizer has stepped, the step's graph outputs (its gradients among them) are done with: the
-            # next step's replays may reuse their memory. Once per optimizer step, so under gradient accumulation the
-            # micro-batches' gradients are not overwritten before the step.
+            # next step's replays may reuse their memory. (ApexTrainingArguments refuse gradient accumulation here:
+            # GRAPHS_CANNOT_ACCUMULATE.)
             optimizer.register_step_post_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
             optimizer._hf_apex_marks_steps = True
         return optimizer

@@ -11,9 +11,34 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
+from .measure.report import compile_mode
 from .stages import APEX_OPTIMIZERS, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
+
+# Measured on an H200 (torch 2.11, BERT fastest, two micro-batches of 64): the second micro-batch's backward read an
+# output of the first's graphs that its replay had overwritten, and stopped; where it does not stop, the first
+# micro-batch's gradients (a graph's outputs, taken as .grad without a copy) are overwritten, silently.
+GRAPHS_CANNOT_ACCUMULATE = (
+    "in torch's CUDA graph trees cannot accumulate gradients over micro-batches (a later micro-batch's replay "
+    "overwrites the outputs of the earlier one's: pytorch/pytorch#169545)"
+)
+
+
+def mode_records_cuda_graphs(mode: str | None) -> bool:
+    """Whether ``torch.compile(mode=mode)`` records CUDA graphs (Inductor's cudagraph trees), as torch's own table of
+    what each mode sets says."""
+    if not mode:
+        return False
+    import torch._inductor
+
+    return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
+
+
+def uses_cuda_graphs(args) -> bool:
+    """Whether a run compiles with CUDA graphs. A graph's outputs live in memory that its next replay reuses, so a
+    training loop marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
+    return mode_records_cuda_graphs(compile_mode(args))
 
 
 @dataclass
@@ -32,7 +57,8 @@ class ApexTrainingArguments(TrainingArguments):
             raises `ValueError` (`torch_compile_mode`, `compile_min_steps` and `attention_backend` excepted: the
             stage's value is a default, and a mode on a stage that does not compile is an error). `fastest` compiles
             with CUDA graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or
-            FSDP (not measured there). `None` leaves every switch to you.
+            FSDP (not measured there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that
+            records them is then a `ValueError`). `None` leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -245,6 +271,12 @@ class ApexTrainingArguments(TrainingArguments):
         if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         super().__post_init__()
+        if self.gradient_accumulation_steps > 1 and uses_cuda_graphs(self):
+            raise ValueError(
+                f"torch_compile_mode={self.torch_compile_mode!r} records CUDA graphs, which "
+                f"{GRAPHS_CANNOT_ACCUMULATE}: set gradient_accumulation_steps=1, or a mode without CUDA graphs "
+                "(torch's default, max-autotune-no-cudagraphs)."
+            )
         if self.attention_backend not in (None, *ATTENTION_CHOICES):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_CHOICES} or None, got {self.attention_backend!r}"
@@ -279,17 +311,23 @@ class ApexTrainingArguments(TrainingArguments):
                     f"{name}={getattr(self, name)!r}; pick a stage that compiles (compiled, fastest)."
                 )
         processes = int(os.environ.get("WORLD_SIZE") or 1)  # set by torchrun and accelerate launch
-        if user_mode is None and stage.torch_compile_mode is not None and processes > 1:
-            # CUDA graphs have been measured here on one process only (not with DDP's or FSDP's collectives)
-            logger.warning(
-                "hf_apex: stage %r: %d processes, so torch.compile keeps its default mode, not the stage's %r "
-                "(unmeasured with more than one process; --torch_compile_mode %s to use it anyway).",
-                stage.name,
-                processes,
-                stage.torch_compile_mode,
-                stage.torch_compile_mode,
-            )
-            self.torch_compile_mode = None
+        if user_mode is None and stage.torch_compile_mode is not None:
+            # CUDA graphs have been measured here on one process only (not with DDP's or FSDP's collectives), and
+            # they cannot accumulate gradients over micro-batches (GRAPHS_CANNOT_ACCUMULATE)
+            if processes > 1:
+                why = f"{processes} processes (unmeasured with more than one process)"
+            elif self.gradient_accumulation_steps > 1 and mode_records_cuda_graphs(stage.torch_compile_mode):
+                why = f"gradient_accumulation_steps={self.gradient_accumulation_steps} ({GRAPHS_CANNOT_ACCUMULATE})"
+            else:
+                why = None
+            if why:
+                logger.warning(
+                    "hf_apex: stage %r: %s, so torch.compile keeps its default mode, not the stage's %r.",
+                    stage.name,
+                    why,
+                    stage.torch_compile_mode,
+                )
+                self.torch_compile_mode = None
         # The row says autocast or FP32; amp_dtype="fp16" (or --fp16) makes the autocast FP16 with a GradScaler.
         if user_fp16 and not stage.bf16:
             raise ValueError(f"stage={stage.name!r} ({stage.summary}) runs in FP32, but you set fp16=True.")

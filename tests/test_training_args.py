@@ -58,8 +58,22 @@ def test_fastest_compiles_with_cuda_graphs_in_one_process_only(monkeypatch, capl
         args._apply_stage()
         yours._apply_stage()
     assert args.torch_compile and args.torch_compile_mode is None
-    assert "2 processes, so torch.compile keeps its default mode" in caplog.text
+    assert "2 processes (unmeasured with more than one process), so torch.compile keeps its default" in caplog.text
     assert yours.torch_compile_mode == "reduce-overhead"
+
+
+def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
+    # The stage's default gives way (a warning); a mode of yours that records CUDA graphs is refused
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        args = make(stage="fastest", gradient_accumulation_steps=2)
+    assert args.torch_compile and args.torch_compile_mode is None
+    assert "gradient_accumulation_steps=2" in caplog.text and "pytorch/pytorch#169545" in caplog.text
+    for stage in ("fastest", None):
+        with pytest.raises(ValueError, match="cannot accumulate gradients"):
+            make(stage=stage, torch_compile_mode="reduce-overhead", gradient_accumulation_steps=2)
+    # Modes without CUDA graphs accumulate as they do anywhere
+    assert make(stage="fastest", torch_compile_mode="max-autotune-no-cudagraphs", gradient_accumulation_steps=2)
+    assert make(stage="fastest", gradient_accumulation_steps=1).torch_compile_mode == "reduce-overhead"
 
 
 def test_fused_full_with_fp16():

@@ -90,3 +90,16 @@ def test_fastest_follows_the_eager_bf16_loss_curve_in_less_memory(tmp_path):
     # No logits held (8 x 512 x 50,257: 0.4 GB in BF16, 0.8 GB in FP32); by how much Inductor's own loss keeps
     # fewer is not known, hence only "less" (tests/gpu/test_loss_gpu.py holds the margin at GPT-2 124M's size)
     assert fastest["peak_memory_allocated_gib"] < compiled["peak_memory_allocated_gib"]
+
+
+def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_path):
+    # CUDA graphs cannot accumulate gradients over micro-batches (hf_apex.training_args.GRAPHS_CANNOT_ACCUMULATE: on
+    # an H200, BERT fastest at two micro-batches of 64 stopped in its second backward), so fastest gives way to
+    # torch's default mode and trains as torch_fused does at the same two micro-batches per step
+    eager = train(tmp_path / "eager", "torch_fused", gradient_accumulation_steps=2)
+    fastest = train(tmp_path / "fastest", "fastest", compile_min_steps=0, gradient_accumulation_steps=2)
+    assert fastest["run"]["torch_compile"] and fastest["run"]["torch_compile_mode"] is None
+    agreement = loss_curve_agreement(
+        [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
+    )
+    assert len(fastest["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement

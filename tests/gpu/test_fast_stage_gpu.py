@@ -1,6 +1,6 @@
 """The fastest rung keeps the maths: each bench model trained for 200 steps on real data (SST-2, WikiText-2) at
 its bench shape with `fastest` and with `torch_fused`, through recipes/finetune.py's `main()` with the flags `make
-bench` gives it; the loss curves and the evaluation agree. The six runs share this process (a new interpreter per
+bench` gives it; the loss curves and the evaluation agree. The runs share this process (a new interpreter per
 run doubled the test's time on an H200: 2026-12-01, over 5 minutes); dynamo is reset before each run.
 
 Tolerances: both runs are BF16 autocast from the same seed, data and order. What differs is rounding: Inductor
@@ -10,17 +10,16 @@ curves' own step-to-step noise: 20-step means within 2 % (what `compiled` agains
 tests/gpu/test_beyond_seed_gpu.py), the final evaluation loss within 2 %.
 
 BERT trains here without dropout (Inductor draws its own random numbers, so with dropout a compiled run's masks
-are not eager's), and its curve is compared with `compiled`'s, not `torch_fused`'s. This random-init, post-LayerNorm
-classifier at learning rate 1e-4 first sits on the plateau of guessing (loss ln 2), and its exit is chaotic. On an
-H200 (benchmarks/h200-2026-12-01-cuda-graphs), with no dropout, the 20-step means of `fastest` and `torch_fused` kept
-within 0.4 % until step 65. Then they parted by up to 30 %, both rising above ln 2 for a while, and the runs ended at
-eval accuracy 75.8 against 77.3 %. A change of rounding anywhere in the step sets such an exit off on its own course.
-`compiled` rounds as `fastest` does (the same Inductor graphs, with the attention backend `fastest` chose); what
-`fastest` adds to it, CUDA graphs and the timed backend, must keep the curve within 2 %, the eval loss too. Against
-`torch_fused`, where only the outcome of a chaotic exit can be compared, eval accuracy must agree within 5 points (0.2
-and 1.5 points on the H200 in two sessions) and both runs must have left the plateau. GPT-2 and Llama keep their
-dropout and the strict test against `torch_fused`: a language model's loss falls from the first step. (The BERT part
-is not yet run on a GPU.)
+are not eager's). This random-init, post-LayerNorm classifier at learning rate 1e-4 first sits on the plateau of
+guessing (loss ln 2), and its exit from it is chaotic: a change of rounding anywhere in the step sets it off on a
+course of its own. On an H200 (benchmarks/h200-2026-12-01-loss-test), `fastest`, `compiled` and `torch_fused` kept
+within 0.2 % of each other over the first 50 steps (10-step means), then left it within a few steps of each other and
+parted by up to 41 % (`fastest` against `compiled`, which runs the same Inductor graphs) and 37 % (against
+`torch_fused`). So BERT's curve is held to `torch_fused`'s on the plateau, the first 50 steps, where dynamics do not
+amplify rounding: 10-step means within 1 % (five times what the H200 showed; at step 5 the two losses differed by
+0.5 %). After it, only the outcome can be compared: both runs leave the plateau (the last 20 losses below 0.6, from
+ln 2 = 0.69), and eval accuracy agrees within 5 points (0.2, 1.5 and 1.2 points in three H200 runs). GPT-2 and Llama
+keep their dropout and the strict test over all 200 steps: a language model's loss falls from the first step.
 """
 
 import gc
@@ -42,6 +41,7 @@ import bench  # noqa: E402
 import finetune  # noqa: E402
 
 STEPS = 200
+PLATEAU = 50  # BERT's first steps, before it leaves the plateau of guessing (above)
 
 
 def run(model: str, stage: str, out: Path, extra: list[str] = ()) -> dict:
@@ -74,14 +74,9 @@ def test_fastest_trains_like_torch_fused_on_real_data(model, tmp_path):
         assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
         assert fast["eval"]["eval_loss"] == pytest.approx(eager["eval"]["eval_loss"], rel=0.02)
         return
-    backend = fast["kernels"]["attention_backend"]  # the timed choice: a backend's name, or "torch"
-    same_rounding = run(
-        model, "compiled", tmp_path / "compiled", [] if backend == "torch" else ["--attention_backend", backend]
-    )
-    assert same_rounding["run"]["torch_compile_mode"] is None  # compiled: no CUDA graphs
-    agreement = loss_curve_agreement(losses(fast), losses(same_rounding), window=20)
-    assert agreement["max_rel_gap_smoothed"] < 0.02, agreement
-    assert fast["eval"]["eval_loss"] == pytest.approx(same_rounding["eval"]["eval_loss"], rel=0.02)
+    plateau = loss_curve_agreement(losses(fast)[:PLATEAU], losses(eager)[:PLATEAU], window=10)
+    assert plateau["max_rel_gap_smoothed"] < 0.01, plateau
+    assert all(sum(run_losses[:PLATEAU]) / PLATEAU > 0.6 for run_losses in (losses(fast), losses(eager)))  # on it
     accuracy = [m["eval"]["eval_accuracy"] for m in (fast, eager)]
     assert abs(accuracy[0] - accuracy[1]) <= 0.05, accuracy
     assert all(sum(run_losses[-20:]) / 20 < 0.6 for run_losses in (losses(fast), losses(eager)))  # off the plateau
