@@ -4,9 +4,10 @@
 # steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | cupti (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on
-# that bench row) | variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the
-# bench's run of that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
+# test) | sdpa | attnstep:<model>[:nodrop] (benchmarks/scripts/attention_in_step.py) | cupti
+# (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row) |
+# variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
+# that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
 # e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead; a flag +NAME=VALUE sets an environment
 # variable for that run instead, e.g. +WRAPPER=benchmarks/scripts/with_config.py,+TORCH_CONFIG=torch._functorch.config.activation_memory_budget=0.5) |
 # resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
@@ -63,6 +64,11 @@ for step in "$@"; do
       env "${envs[@]}" MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps \
         "${args[@]}" > $OUT/variant-$name.out 2>&1
       echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;
+    attnstep:*)  # attnstep:<model>[:nodrop]: benchmarks/scripts/attention_in_step.py (attention in the step and alone)
+      IFS=: read -r _ model nodrop <<< "$step"
+      timeout -k 10 $(left) python3 benchmarks/scripts/attention_in_step.py --model $model ${nodrop:+--no_dropout} \
+        --out $OUT/attnstep-$model${nodrop:+-nodrop}.json > $OUT/attnstep-$model${nodrop:+-nodrop}.log 2>&1
+      echo "attnstep $model $nodrop rc $?"; grep -vE "^ {20}" $OUT/attnstep-$model${nodrop:+-nodrop}.log | tail -14;;
     cupti)
       timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
       echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;

@@ -1,0 +1,213 @@
+"""Why does attention take 2.3-2.6 times as long inside a training step as alone, with the same cuDNN kernels?
+
+    python benchmarks/scripts/attention_in_step.py [--model llama|gpt2] [--no_dropout] [--out OUT.json]
+
+On an H200 (2026-12-01, benchmarks/h200-2026-12-01-loss-test) cuDNN's forward kernel took 84 us alone and 218 us per
+layer in Llama's `fastest` step, its backward 224 and 506 us, with the same kernel names. This takes the bench model
+(random init, 16 x 1024 tokens, BF16 autocast, hf_apex's static masks as `fastest` sets them, no Trainer) and
+profiles the attention kernels of a forward + backward in five settings, each the mean over 3 steps per layer:
+
+1. `eager`: the model without torch.compile;
+2. `compiled`: the model under torch.compile (torch's default mode);
+3. `alone`: one SDPA call, forward + backward, on tensors of the shapes, strides, dtype and flags that the eager
+   model handed SDPA in its first layer (recorded by wrapping `F.scaled_dot_product_attention`);
+4. `alone, contiguous`: the same on contiguous heads;
+5. `alone, after load`: `alone` right after 0.5 s of large matmuls, the GPU at the clock and power of a long run.
+
+It also prints each SDPA call of the code Inductor generated (its arguments show `is_causal`, the mask, dropout),
+the eager call's flags, and the SM clock before and after. Setting 1 against 3 tells the model's context from the
+kernel; 2 against 1 what compiling changes; 5 against 3 what the clock under load costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+import bench  # noqa: E402
+
+from hf_apex.kernels.attention import use_static_masks  # noqa: E402
+
+ATTENTION = ("sdpa", "flash", "fmha", "attention", "dot_do_o", "convert_dq")  # parts of the attention kernels' names
+BATCH, TOKENS = 16, 1024
+
+
+def build(name: str, no_dropout: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = bench.MODELS[name]
+    config = AutoConfig.for_model(spec["model_type"])
+    if spec.get("overrides"):
+        config.update_from_string(spec["overrides"])
+    if no_dropout:
+        config.update({k: 0.0 for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop") if hasattr(config, k)})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().train()
+    model.config.use_cache = False  # as Trainer.__init__ sets it (TrainingArguments.use_cache): no KV cache built
+    assert use_static_masks(model), "hf_apex's static masks do not apply to this model"
+    return model
+
+
+def training_step(model, ids):
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def attention_kernels(fn, calls: int, reps: int = 3) -> dict:
+    """Device µs per attention call of each attention kernel ``fn`` runs, and the whole device time per rep."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_kernel = collections.Counter()
+    for e in events:
+        if any(part in e.name.lower() for part in ATTENTION):
+            per_kernel[e.name[:90]] += e.device_time_total / (reps * calls)
+    return {
+        "kernels_us": dict(per_kernel),
+        "attention_us_per_call": sum(per_kernel.values()),
+        "device_ms_per_rep": sum(e.device_time_total for e in events) / reps / 1e3,
+    }
+
+
+def record_first_call(model, ids) -> dict:
+    """What the model's first SDPA call was handed: shapes, strides, dtype and flags."""
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if not seen:
+            seen.append(
+                {
+                    "shapes": [list(t.shape) for t in (q, k, v)],
+                    "strides": [list(t.stride()) for t in (q, k, v)],
+                    "dtype": str(q.dtype),
+                    "mask": None if attn_mask is None else list(attn_mask.shape),
+                    "dropout_p": dropout_p,
+                    "is_causal": bool(is_causal),
+                    "scale": scale,
+                    "kwargs": sorted(kwargs),
+                }
+            )
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+
+    F.scaled_dot_product_attention = recording
+    try:
+        training_step(model, ids)
+    finally:
+        F.scaled_dot_product_attention = original
+    return seen[0]
+
+
+def alone(call: dict, contiguous: bool):
+    """A forward + backward of one SDPA call like ``call`` (fresh values: the kernels' time does not hang on them)."""
+    dtype = getattr(torch, call["dtype"].split(".")[-1])
+    leaves, heads = [], []
+    for shape, stride in zip(call["shapes"], call["strides"]):
+        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))  # the storage the strided view spans
+        base = torch.randn(size, device="cuda", dtype=dtype, requires_grad=True)
+        leaves.append(base)
+        heads.append(base.as_strided(shape, stride))
+    if contiguous:
+        leaves = heads = [torch.randn(h.shape, device="cuda", dtype=dtype, requires_grad=True) for h in heads]
+    grad = torch.randn(call["shapes"][0], device="cuda", dtype=dtype)
+
+    def step():
+        out = F.scaled_dot_product_attention(
+            *heads, dropout_p=call["dropout_p"], is_causal=call["is_causal"], scale=call["scale"]
+        )
+        torch.autograd.grad(out, leaves, grad)
+
+    return step
+
+
+def load():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > 500:
+            return
+
+
+def sm_clock() -> int | None:
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # (needs pynvml)
+        return None
+
+
+def inductor_sdpa_calls() -> list[str]:
+    from torch._inductor.codecache import PyCodeCache
+
+    modules = PyCodeCache.modules if isinstance(PyCodeCache.modules, list) else list(PyCodeCache.modules.values())
+    lines = []
+    for module in modules:
+        for line in Path(module.__file__).read_text().splitlines():
+            if "scaled_dot_product" in line and "(" in line and not line.lstrip().startswith(("#", "def ")):
+                lines.append(line.strip()[:240])
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--no_dropout", action="store_true", help="GPT-2 without its dropout (a diagnosis only)")
+    parser.add_argument("--out")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("attention_in_step.py needs CUDA")
+    torch.manual_seed(0)
+    model = build(opts.model, opts.no_dropout)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, TOKENS), device="cuda")
+    result = {"model": opts.model, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    result["first_call"] = call = record_first_call(model, ids)
+    print("eager SDPA call:", json.dumps(call), flush=True)
+    settings = {
+        "eager": (lambda: training_step(model, ids), layers),
+        "alone": (alone(call, contiguous=False), 1),
+        "alone, contiguous": (alone(call, contiguous=True), 1),
+    }
+    for name, (fn, calls) in settings.items():
+        result[name] = attention_kernels(fn, calls)
+    compiled = torch.compile(model)
+    result["compiled"] = attention_kernels(lambda: training_step(compiled, ids), layers)
+    result["inductor_sdpa_calls"] = inductor_sdpa_calls()
+    result["clock_mhz_before_load"] = sm_clock()
+    load()
+    result["clock_mhz_after_load"] = sm_clock()
+    step = alone(call, contiguous=False)
+    step()
+    load()
+    result["alone, after load"] = attention_kernels(step, 1, reps=1)
+    for name in ("eager", "compiled", "alone", "alone, contiguous", "alone, after load"):
+        r = result[name]
+        print(f"{name:18s} {r['attention_us_per_call']:8.1f} us of attention kernels per call", flush=True)
+        for kernel, us in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]):
+            print(f"{'':20s}{us:8.1f} us  {kernel}")
+    print("Inductor's SDPA calls:", *result["inductor_sdpa_calls"][:6], sep="\n  ")
+    print("SM clock MHz before / after load:", result["clock_mhz_before_load"], result["clock_mhz_after_load"])
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
