@@ -16,17 +16,18 @@ Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (r
 repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left out,
 see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions
 or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the
-model's SDPA masks decided without reading a tensor), ``training_step`` (the run's first step leaves accelerate's FP32
-conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the model's forward and
-backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and names
-``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
-mode that records CUDA graphs, each optimizer step marks the start of the next, see ``uses_cuda_graphs``),
-``prediction_step`` (under the SDPA backend chosen; under CUDA graphs, it keeps a copy of each batch's logits, whose
-memory the next replay reuses), ``call_model_init`` (rewires each new model), ``_save_checkpoint`` (writes the autotune
-decisions into the checkpoint), ``floating_point_ops`` (counts the parameters once, not on every micro-batch) and
-``log`` (merges the stage metrics of the current logging window; local, no collective). With plain
-``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode with CUDA graphs gets the step marks and
-the logits' copies it needs.
+model's SDPA masks decided without reading a tensor), ``training_step`` (under those masks a batch without
+``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; the run's
+first step leaves accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it
+first times the model's forward and backward on its batch with apex's norms and with torch's, see
+:meth:`Autotuner.choose_norms`; and names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
+``create_optimizer`` (under a compile mode that records CUDA graphs, each optimizer step marks the start of the next,
+see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under
+CUDA graphs, it keeps a copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires
+each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
+(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging
+window; local, no collective). With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode
+with CUDA graphs gets the step marks and the logits' copies it needs, and is refused with gradient accumulation.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
-from .kernels.attention import STATIC_MASKS, preferring, use_static_masks
+from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
@@ -57,7 +58,7 @@ from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
-from .training_args import ApexTrainingArguments, uses_cuda_graphs
+from .training_args import ApexTrainingArguments, refuse_accumulation_under_cuda_graphs, uses_cuda_graphs
 
 logger = logging.getLogger("hf_apex")
 
@@ -225,6 +226,7 @@ class ApexTrainer(Trainer):
             given.arguments["args"] = eager
             args, kwargs = given.args[1:], given.kwargs
         super().__init__(*args, **kwargs)
+        refuse_accumulation_under_cuda_graphs(self.args)  # (ApexTrainingArguments refuse it already; plain ones)
         if not isinstance(self.args, ApexTrainingArguments):
             return
         validate_apex_args(self.args)
@@ -293,7 +295,16 @@ class ApexTrainer(Trainer):
             and not self.is_deepspeed_enabled  # ZeRO-3 gathers parameters across ranks in a forward
         )
 
+    def _one_sequence_per_row(self, inputs) -> bool:
+        """Whether this batch's rows are one sequence each, known without reading a tensor: under static masks, a
+        batch without ``position_ids`` (see :func:`~hf_apex.kernels.attention.one_sequence_per_row`)."""
+        return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
+
     def training_step(self, model, inputs, *args, **kwargs):
+        with one_sequence_per_row(self._one_sequence_per_row(inputs)):
+            return self._training_step(model, inputs, *args, **kwargs)
+
+    def _training_step(self, model, inputs, *args, **kwargs):
         if self._outputs_to_set:  # (accelerate wrapped the forward when train() prepared the model)
             self._outputs_to_set = False
             self.fp32_outputs_dropped = set_fp32_outputs(
@@ -353,7 +364,7 @@ class ApexTrainer(Trainer):
         return self.autotuner.choose_attention(capture_attention(forward))
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        with preferring(self.sdpa_backend):
+        with preferring(self.sdpa_backend), one_sequence_per_row(self._one_sequence_per_row(inputs)):
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
         if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy
             loss, logits, labels = outputs  # (the loss is a new tensor already, the labels are the batch's)
@@ -438,7 +449,7 @@ class ApexTrainer(Trainer):
         optimizer = super().create_optimizer(*args, **kwargs)
         if uses_cuda_graphs(self.args) and not getattr(optimizer, "_hf_apex_marks_steps", False):
             # Once the optimizer has stepped, the step's graph outputs (its gradients among them) are done with: the
-            # next step's replays may reuse their memory. (ApexTrainingArguments refuse gradient accumulation here:
+            # next step's replays may reuse their memory. (Gradient accumulation is refused here, in __init__:
             # GRAPHS_CANNOT_ACCUMULATE.)
             optimizer.register_step_post_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
             optimizer._hf_apex_marks_steps = True
@@ -488,7 +499,8 @@ class ApexTrainer(Trainer):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:
             kernels["attention_masks"] = (
-                f"{STATIC_MASKS}: decided without reading a tensor (no padding: no mask, SDPA's is_causal)"
+                f"{STATIC_MASKS}: decided without reading a tensor (no padding: no mask, SDPA's is_causal; "
+                "a batch without position_ids: one sequence per row)"
             )
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"

@@ -35,6 +35,16 @@ def mode_records_cuda_graphs(mode: str | None) -> bool:
     return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
 
 
+def refuse_accumulation_under_cuda_graphs(args) -> None:
+    """A ``ValueError`` for a run that would accumulate gradients over micro-batches under CUDA graphs."""
+    if args.gradient_accumulation_steps > 1 and mode_records_cuda_graphs(args.torch_compile_mode):
+        raise ValueError(
+            f"torch_compile_mode={args.torch_compile_mode!r} records CUDA graphs, which {GRAPHS_CANNOT_ACCUMULATE}: "
+            "set gradient_accumulation_steps=1, or a mode without CUDA graphs (torch's default, "
+            "max-autotune-no-cudagraphs)."
+        )
+
+
 def uses_cuda_graphs(args) -> bool:
     """Whether a run compiles with CUDA graphs. A graph's outputs live in memory that its next replay reuses, so a
     training loop marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
@@ -270,13 +280,8 @@ class ApexTrainingArguments(TrainingArguments):
             self.ddp_bucket_cap_mb = 100
         if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
+        refuse_accumulation_under_cuda_graphs(self)  # (before super(), which sets up the device and processes)
         super().__post_init__()
-        if self.gradient_accumulation_steps > 1 and uses_cuda_graphs(self):
-            raise ValueError(
-                f"torch_compile_mode={self.torch_compile_mode!r} records CUDA graphs, which "
-                f"{GRAPHS_CANNOT_ACCUMULATE}: set gradient_accumulation_steps=1, or a mode without CUDA graphs "
-                "(torch's default, max-autotune-no-cudagraphs)."
-            )
         if self.attention_backend not in (None, *ATTENTION_CHOICES):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_CHOICES} or None, got {self.attention_backend!r}"

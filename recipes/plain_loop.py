@@ -27,12 +27,13 @@ from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.attention import capture as capture_attention
-from hf_apex.kernels.attention import preferring, use_static_masks
+from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile, uses_cuda_graphs
+from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile
+from hf_apex.training_args import uses_cuda_graphs
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -61,7 +62,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         rewire(model, chooser=tuner.choose_norm if args.autotune else None, compiled=args.torch_compile)
     if args.fused_linear_cross_entropy:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
-    use_static_masks(model, args.drop_full_attention_mask)  # as ApexTrainer: SDPA masks decided on the host
+    static = use_static_masks(model, args.drop_full_attention_mask)  # as ApexTrainer: SDPA masks decided on the host
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
@@ -100,8 +101,10 @@ def main(out_json: str, argv: list[str]) -> dict:
     first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
     batches = itertools.chain([first], batches)
 
+    rows = static and "position_ids" not in first  # as ApexTrainer: each row one sequence, known without a read
+
     def loss_fn():
-        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
+        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16), one_sequence_per_row(rows):
             return raw(**first).loss
 
     if args.autotune and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: timed on whole passes
@@ -117,7 +120,11 @@ def main(out_json: str, argv: list[str]) -> dict:
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16), preferring(attention):
+        with (
+            torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
+            preferring(attention),
+            one_sequence_per_row(rows),
+        ):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
         if args.max_grad_norm > 0:

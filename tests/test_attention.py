@@ -345,6 +345,56 @@ def test_static_masks_leave_a_plain_mask_out_under_torch_compile(family, causal,
     torch.testing.assert_close(out, stock(**padded).logits)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_training_step_without_position_ids_gets_is_causal_under_torch_compile(family):
+    # As the Trainer runs the model: no KV cache (use_cache=False), and no mask (an all-ones one left out). Then
+    # transformers asks the position ids whether rows are packed, and under torch.compile, unable to tell, masks as
+    # if they were: the whole square, masked. A batch without position_ids has the model's own: one sequence a row.
+    inputs = tiny_inputs(family)
+    inputs.pop("attention_mask")
+    stock, model = tiny_model(family, use_cache=False), tiny_model(family, use_cache=False)
+    assert attention.use_static_masks(model)
+    calls, _ = _sdpa_masks_compiled(model, inputs)
+    assert calls and all(mask and not is_causal for mask, is_causal in calls)  # (transformers' own decision)
+    with attention.one_sequence_per_row():
+        calls, out = _sdpa_masks_compiled(model, inputs)
+        assert calls and all(not mask and is_causal for mask, is_causal in calls)
+    torch.testing.assert_close(out, stock(**inputs).logits)  # the same attention
+    assert attention.masking_utils.find_packed_sequence_indices is not attention._one_sequence_per_row  # restored
+
+
+def test_the_trainer_hands_its_compiled_steps_is_causal(tmp_path, monkeypatch):
+    """Training and evaluation steps through ApexTrainer under torch.compile: each SDPA call of the graphs Dynamo
+    traced has no mask and is_causal (a graph-recording stand-in for the eager backend)."""
+    import torch._dynamo.backends.registry as registry
+
+    calls = []
+
+    def recording(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
+        return gm.forward
+
+    registry.lookup_backend("eager")  # (registered before it is replaced)
+    monkeypatch.setitem(registry._COMPILER_FNS, "eager", recording)
+    torch._dynamo.reset()
+    args = train_args(tmp_path, max_steps=2, stage="compiled", torch_compile_backend="eager")
+    data = TokenDataset()
+    trainer = ApexTrainer(model=tiny_model("llama").train(), args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    trainer.evaluate()
+    torch._dynamo.reset()
+    assert trainer.static_masks and calls and all(not mask and is_causal for mask, is_causal in calls), calls
+    # A batch with position ids of its own (a flattening collator packs rows with them) is left to transformers
+    batch = trainer.data_collator([data[i] for i in range(2)])
+    assert trainer._one_sequence_per_row(batch)
+    assert not trainer._one_sequence_per_row({**batch, "position_ids": torch.arange(16).repeat(2, 1)})
+    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
+    assert "one sequence per row" in kernels["attention_masks"]
+
+
 def test_static_masks_never_read_a_padding_mask_to_decide(monkeypatch):
     """Eager transformers asks whether the padding mask is all ones (`.all()`: a device sync per forward); with
     static masks a mask that reaches the model is built as it is, and the outputs are the same."""

@@ -294,6 +294,14 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
     assert len(metrics["loss_history"]) == 6
 
 
+def test_plain_training_arguments_are_not_let_accumulate_under_cuda_graphs(tmp_path):
+    # ApexTrainingArguments refuse it (tests/test_training_args.py); ApexTrainer refuses it of plain ones too
+    plain = dict(use_cpu=True, report_to="none", torch_compile_mode="reduce-overhead", gradient_accumulation_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path), **plain)
+    with pytest.raises(ValueError, match="cannot accumulate gradients"):
+        ApexTrainer(model=tiny_model("gpt2"), args=args, train_dataset=TokenDataset())
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_evaluation_keeps_copies_of_what_the_next_cuda_graph_replay_overwrites(tmp_path, mode):
     model = tiny_model("gpt2").eval()

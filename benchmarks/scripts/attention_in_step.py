@@ -5,18 +5,21 @@
 On an H200 (2026-12-01, benchmarks/h200-2026-12-01-loss-test) cuDNN's forward kernel took 84 us alone and 218 us per
 layer in Llama's `fastest` step, its backward 224 and 506 us, with the same kernel names. This takes the bench model
 (random init, 16 x 1024 tokens, BF16 autocast, hf_apex's static masks as `fastest` sets them, no Trainer) and
-profiles the attention kernels of a forward + backward in five settings, each the mean over 3 steps per layer:
+profiles the attention kernels of a forward + backward in six settings, each the mean over 3 steps per layer:
 
 1. `eager`: the model without torch.compile;
-2. `compiled`: the model under torch.compile (torch's default mode);
-3. `alone`: one SDPA call, forward + backward, on tensors of the shapes, strides, dtype and flags that the eager
+2. `compiled`: the model under torch.compile (torch's default mode), as ApexTrainer ran it before
+   `one_sequence_per_row` (on a CPU its SDPA calls got a full mask and no `is_causal`);
+3. `compiled, one sequence per row`: the same under `hf_apex.kernels.attention.one_sequence_per_row`, as ApexTrainer
+   runs a batch without position ids now;
+4. `alone`: one SDPA call, forward + backward, on tensors of the shapes, strides, dtype and flags that the eager
    model handed SDPA in its first layer (recorded by wrapping `F.scaled_dot_product_attention`);
-4. `alone, contiguous`: the same on contiguous heads;
-5. `alone, after load`: `alone` right after 0.5 s of large matmuls, the GPU at the clock and power of a long run.
+5. `alone, contiguous`: the same on contiguous heads;
+6. `alone, after load`: `alone` right after 0.5 s of large matmuls, at the clock and power of a long run.
 
 It also prints each SDPA call of the code Inductor generated (its arguments show `is_causal`, the mask, dropout),
-the eager call's flags, and the SM clock before and after. Setting 1 against 3 tells the model's context from the
-kernel; 2 against 1 what compiling changes; 5 against 3 what the clock under load costs.
+the eager call's flags, and the SM clock idle and after the load. Setting 1 against 4 tells the model's context from
+the kernel; 2 and 3 against 1 what compiling changes; 6 against 4 what the clock under load costs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import bench  # noqa: E402
 
-from hf_apex.kernels.attention import use_static_masks  # noqa: E402
+from hf_apex.kernels.attention import one_sequence_per_row, use_static_masks  # noqa: E402
 
 ATTENTION = ("sdpa", "flash", "fmha", "attention", "dot_do_o", "convert_dq")  # parts of the attention kernels' names
 BATCH, TOKENS = 16, 1024
@@ -62,12 +65,15 @@ def training_step(model, ids):
     model.zero_grad(set_to_none=True)
 
 
-def attention_kernels(fn, calls: int, reps: int = 3) -> dict:
-    """Device µs per attention call of each attention kernel ``fn`` runs, and the whole device time per rep."""
+def attention_kernels(fn, calls: int, reps: int = 3, before=None) -> dict:
+    """Device µs per attention call of each attention kernel ``fn`` runs, and the whole device time per rep;
+    ``before``: run inside the profile just ahead of each rep (its own kernels are not attention's)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if before is not None:
+                before()
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -78,7 +84,7 @@ def attention_kernels(fn, calls: int, reps: int = 3) -> dict:
     return {
         "kernels_us": dict(per_kernel),
         "attention_us_per_call": sum(per_kernel.values()),
-        "device_ms_per_rep": sum(e.device_time_total for e in events) / reps / 1e3,
+        "device_ms_per_rep": sum(e.device_time_total for e in events) / reps / 1e3,  # (with ``before``'s kernels)
     }
 
 
@@ -113,9 +119,16 @@ def record_first_call(model, ids) -> dict:
 
 def alone(call: dict, contiguous: bool):
     """A forward + backward of one SDPA call like ``call`` (fresh values: the kernels' time does not hang on them)."""
+    if call["mask"] is not None or call["kwargs"]:
+        raise SystemExit(f"the model's SDPA call had a mask or other arguments this does not replay: {call}")
     dtype = getattr(torch, call["dtype"].split(".")[-1])
     leaves, heads = [], []
-    for shape, stride in zip(call["shapes"], call["strides"]):
+    b, h, t, d = call["shapes"][0]
+    if not contiguous and all(st == [t * 3 * h * d, d, 3 * h * d, 1] for st in call["strides"]):
+        # GPT-2's views into one (batch, tokens, 3 x width) projection: one tensor, as the step's backward has it
+        qkv = torch.randn(b, t, 3 * h * d, device="cuda", dtype=dtype, requires_grad=True)
+        leaves, heads = [qkv], [x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(h * d, dim=2)]
+    for shape, stride in zip(call["shapes"], call["strides"]) if not leaves else ():
         size = 1 + sum((n - 1) * s for n, s in zip(shape, stride))  # the storage the strided view spans
         base = torch.randn(size, device="cuda", dtype=dtype, requires_grad=True)
         leaves.append(base)
@@ -133,24 +146,27 @@ def alone(call: dict, contiguous: bool):
     return step
 
 
-def load():
+def load(ms: float = 500.0):
+    """Large matmuls for about ``ms``; the last few stay queued, so that what is launched next follows at once."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     while True:
         for _ in range(20):
             a @ a
         end.record()
         end.synchronize()
-        if start.elapsed_time(end) > 500:
-            return
+        if start.elapsed_time(end) > ms:
+            break
+    for _ in range(20):
+        a @ a
 
 
 def sm_clock() -> int | None:
+    """The SM clock now (MHz), or None where torch cannot read it (it asks NVML through pynvml)."""
     try:
         return torch.cuda.clock_rate()
-    except Exception:  # (needs pynvml)
+    except Exception:
         return None
 
 
@@ -161,7 +177,7 @@ def inductor_sdpa_calls() -> list[str]:
     lines = []
     for module in modules:
         for line in Path(module.__file__).read_text().splitlines():
-            if "scaled_dot_product" in line and "(" in line and not line.lstrip().startswith(("#", "def ")):
+            if "aten._scaled_dot_product" in line and "= " in line and not line.lstrip().startswith("#"):
                 lines.append(line.strip()[:240])
     return lines
 
@@ -169,7 +185,9 @@ def inductor_sdpa_calls() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["llama", "gpt2"], default="llama")
-    parser.add_argument("--no_dropout", action="store_true", help="GPT-2 without its dropout (a diagnosis only)")
+    parser.add_argument(
+        "--no_dropout", action="store_true", help="GPT-2 without any of its dropout (a diagnosis only; Llama has none)"
+    )
     parser.add_argument("--out")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -190,21 +208,30 @@ def main() -> None:
         result[name] = attention_kernels(fn, calls)
     compiled = torch.compile(model)
     result["compiled"] = attention_kernels(lambda: training_step(compiled, ids), layers)
-    result["inductor_sdpa_calls"] = inductor_sdpa_calls()
-    result["clock_mhz_before_load"] = sm_clock()
-    load()
+    result["inductor_sdpa_calls"] = {"compiled": inductor_sdpa_calls()}
+
+    def one_sequence_step():
+        with one_sequence_per_row():  # as ApexTrainer runs a batch without position_ids since it has this
+            training_step(compiled, ids)
+
+    result["compiled, one sequence per row"] = attention_kernels(one_sequence_step, layers)
+    seen = set(result["inductor_sdpa_calls"]["compiled"])
+    result["inductor_sdpa_calls"]["compiled, one sequence per row"] = [
+        line for line in inductor_sdpa_calls() if line not in seen
+    ]
+    result["clock_mhz_idle"] = sm_clock()
+    result["alone, after load"] = attention_kernels(alone(call, contiguous=False), 1, reps=2, before=load)
     result["clock_mhz_after_load"] = sm_clock()
-    step = alone(call, contiguous=False)
-    step()
-    load()
-    result["alone, after load"] = attention_kernels(step, 1, reps=1)
-    for name in ("eager", "compiled", "alone", "alone, contiguous", "alone, after load"):
+    names = ("eager", "compiled", "compiled, one sequence per row", "alone", "alone, contiguous", "alone, after load")
+    for name in names:
         r = result[name]
         print(f"{name:18s} {r['attention_us_per_call']:8.1f} us of attention kernels per call", flush=True)
         for kernel, us in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]):
             print(f"{'':20s}{us:8.1f} us  {kernel}")
-    print("Inductor's SDPA calls:", *result["inductor_sdpa_calls"][:6], sep="\n  ")
-    print("SM clock MHz before / after load:", result["clock_mhz_before_load"], result["clock_mhz_after_load"])
+    for name, lines in result["inductor_sdpa_calls"].items():
+        print(f"Inductor's SDPA calls, {name}:", *lines[:4], sep="\n  ")
+    clocks = result["clock_mhz_idle"], result["clock_mhz_after_load"]
+    print("SM clock MHz idle / after load (None: no pynvml):", *clocks)
     if opts.out:
         Path(opts.out).write_text(json.dumps(result, indent=1))
 

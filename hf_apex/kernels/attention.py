@@ -229,6 +229,33 @@ def _sdpa_mask(*args, **kwargs):
     return masking_utils.sdpa_mask(**kwargs)
 
 
+# Packed sequences. With no padding mask and no KV cache (a training step: the Trainer turns the cache off, and an
+# all-ones mask is left out), transformers asks the position ids whether a row packs several sequences
+# (`find_packed_sequence_indices`). In eager it reads them to tell (`.all()`, a host-device sync per forward). Under
+# torch.compile it cannot, and masks as if they did: SDPA gets a full (batch, 1, T, T) mask and no `is_causal`, so
+# the kernels compute the whole square (on a CPU: tests/test_attention.py). A batch that brings no `position_ids`
+# runs on the model's own, 0 to T-1 in every row: one sequence per row, as eager transformers finds by reading them.
+# `one_sequence_per_row` says so for the steps it wraps.
+def _one_sequence_per_row(position_ids):
+    """transformers' ``find_packed_sequence_indices`` for position ids a model made itself: no packed sequences."""
+    return None
+
+
+@contextlib.contextmanager
+def one_sequence_per_row(on: bool = True):
+    """While on, transformers' mask functions take each row of the batch for one sequence (see above). Turn it on
+    only for batches that carry no ``position_ids``."""
+    if not on or not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = _one_sequence_per_row
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 @functools.cache
 def _register_static_masks() -> None:
     from transformers import AttentionInterface

@@ -16,8 +16,8 @@ course of its own. On an H200 (benchmarks/h200-2026-12-01-loss-test), `fastest`,
 kept within 0.22 % of each other over the first 50 steps (10-step means), then left the plateau within a few steps
 of each other and parted by up to 41 % (`fastest` against `compiled`, which runs the same Inductor graphs) and 37 %
 (against `torch_fused`). So BERT's curve is held to `torch_fused`'s on the plateau, the first 50 steps, where the
-dynamics do not amplify rounding: 10-step means within 1 % (five times the 0.20 % the H200 showed; at step 5 the two
-losses differed by 0.5 %). After it, only the outcome can be compared: both runs leave the plateau (the last 20
+dynamics amplify rounding far less: 10-step means within 1 % (five times the 0.20 % the H200 showed; single steps
+differed by up to 0.74 %). After it, only the outcome can be compared: both runs leave the plateau (the last 20
 losses below 0.6, from ln 2 = 0.69), and eval accuracy agrees within 5 points (0.2, 1.5 and 1.2 points in three H200
 runs). GPT-2 and Llama keep their dropout and the strict test over all 200 steps: a language model's loss falls from
 the first step.
