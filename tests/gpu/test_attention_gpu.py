@@ -156,3 +156,40 @@ def test_kernel_profiles_one_after_another_name_the_sdpa_backend_or_nothing(betw
         for backend, profiles in seen.items():
             assert all(p["sdpa"] == [backend] or (p["cuda_kernels"] == 0 and not p["sdpa"]) for p in profiles), seen
         assert "recorded no CUDA kernel" in out.stderr or all(p["cuda_kernels"] for ps in seen.values() for p in ps)
+
+
+def test_compiled_training_steps_hand_sdpa_is_causal(tmp_path, monkeypatch):
+    """Under the installed transformers, on CUDA: the graphs Dynamo traces in ApexTrainer's compiled training and
+    evaluation steps call SDPA with no mask and is_causal (hf_apex.kernels.attention.one_sequence_per_row; a
+    graph-recording stand-in for the eager backend, as tests/test_attention.py does on a CPU)."""
+    import torch._dynamo.backends.registry as registry
+
+    calls = []
+
+    def recording(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
+        return gm.forward
+
+    registry.lookup_backend("eager")
+    monkeypatch.setitem(registry._COMPILER_FNS, "eager", recording)
+    torch._dynamo.reset()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2))
+    args = ApexTrainingArguments(
+        output_dir=str(tmp_path),
+        stage="compiled",
+        torch_compile_backend="eager",
+        max_steps=2,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    data = TokenDataset(n=8, seq=128, vocab=model.config.vocab_size)
+    trainer = ApexTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    trainer.evaluate()
+    torch._dynamo.reset()
+    assert calls and all(not mask and is_causal for mask, is_causal in calls), (transformers.__version__, calls)
