@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
@@ -397,6 +398,44 @@ def test_the_training_loop_does_not_sync_per_micro_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(model, "num_parameters", lambda **kw: counted.append(1) or real(**kw))
     ApexTrainer(model=model, args=args, train_dataset=TokenDataset()).train()
     assert len(counted) == 1
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operators that bring a tensor's value to the host (a device sync on a GPU)."""
+
+    READS = {getattr(torch.ops.aten, name).default for name in ("_local_scalar_dense", "is_nonzero", "item")}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+# GPT-2 and Llama as the bench builds them (no pad token: their all-ones masks are left out of the batches)
+@pytest.mark.parametrize("family, task, pad", [("gpt2", "lm", None), ("llama", "lm", None), ("bert", "cls", 0)])
+def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, family, task, pad):
+    """Forward and backward of each micro-batch, the model's own mask decisions included (without a mask,
+    transformers reads the position ids to rule out packed rows, `.all()`, unless told: one_sequence_per_row), bring
+    no value to the host."""
+    trainer = ApexTrainer(
+        model=tiny_model(family, pad_token_id=pad).train(),
+        args=train_args(tmp_path, stage="fused_full", max_steps=3),
+        train_dataset=TokenDataset(task=task),
+    )
+    reads, step = [], trainer.training_step
+
+    def counted(*args, **kwargs):
+        with HostReads() as mode:
+            out = step(*args, **kwargs)
+        reads.append(mode.count)
+        return out
+
+    trainer.training_step = counted
+    trainer.train()
+    assert reads == [0, 0, 0]
 
 
 def test_autocast_on_the_cpu_warns_that_fp32_is_faster(tmp_path, caplog):
