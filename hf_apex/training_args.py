@@ -16,9 +16,9 @@ from .stages import APEX_OPTIMIZERS, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
 
-# Measured on an H200 (torch 2.11, BERT fastest, two micro-batches of 64): the second micro-batch's backward read an
-# output of the first's graphs that its replay had overwritten, and stopped; where it does not stop, the first
-# micro-batch's gradients (a graph's outputs, taken as .grad without a copy) are overwritten, silently.
+# Seen on an H200 (torch 2.11, BERT fastest, two micro-batches of 64): the second micro-batch's backward read an output
+# of the first's graphs that its replay had overwritten, and stopped. Where nothing stops, the first micro-batch's
+# gradients (a graph's outputs, taken as .grad without a copy) come out overwritten (a repro in pytorch/pytorch#96693).
 GRAPHS_CANNOT_ACCUMULATE = (
     "in torch's CUDA graph trees cannot accumulate gradients over micro-batches (a later micro-batch's replay "
     "overwrites the outputs of the earlier one's: pytorch/pytorch#169545)"

@@ -101,10 +101,13 @@ def main(out_json: str, argv: list[str]) -> dict:
     first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
     batches = itertools.chain([first], batches)
 
-    rows = static and "position_ids" not in first  # as ApexTrainer: each row one sequence, known without a read
+    one_sequence = static and "position_ids" not in first  # as ApexTrainer: each row one sequence, unread
 
     def loss_fn():
-        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16), one_sequence_per_row(rows):
+        with (
+            torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
+            one_sequence_per_row(one_sequence),
+        ):
             return raw(**first).loss
 
     if args.autotune and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: timed on whole passes
@@ -123,7 +126,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         with (
             torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
             preferring(attention),
-            one_sequence_per_row(rows),
+            one_sequence_per_row(one_sequence),
         ):
             loss = model(**batch).loss
         scaler.scale(loss).backward()
