@@ -17,7 +17,7 @@ from hf_apex.autotune import Autotuner, DecisionCache, attention_probe
 from hf_apex.kernels import attention
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_trainer import train_args
-from tests.testing_utils import TokenDataset, tiny_inputs, tiny_model
+from tests.testing_utils import TokenDataset, record_sdpa_calls_as_eager, sdpa_call_recorder, tiny_inputs, tiny_model
 
 MATH_OP, CPU_FLASH_OP = "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -301,15 +301,7 @@ def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_pat
 
 def _sdpa_masks_compiled(model, inputs) -> tuple[list[tuple[bool, bool]], torch.Tensor]:
     """(mask given?, is_causal) of each SDPA call in ``model``'s compiled graph, and its output."""
-    calls = []
-
-    def backend(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if "scaled_dot_product" in str(node.target):
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
-        return gm
-
+    calls, backend = sdpa_call_recorder()
     torch._dynamo.reset()
     out = torch.compile(model, backend=backend)(**inputs).logits
     torch._dynamo.reset()
@@ -366,19 +358,7 @@ def test_a_training_step_without_position_ids_gets_is_causal_under_torch_compile
 def test_the_trainer_hands_its_compiled_steps_is_causal(tmp_path, monkeypatch):
     """Training and evaluation steps through ApexTrainer under torch.compile: each SDPA call of the graphs Dynamo
     traced has no mask and is_causal (a graph-recording stand-in for the eager backend)."""
-    import torch._dynamo.backends.registry as registry
-
-    calls = []
-
-    def recording(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if "scaled_dot_product" in str(node.target):
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
-        return gm.forward
-
-    registry.lookup_backend("eager")  # (registered before it is replaced)
-    monkeypatch.setitem(registry._COMPILER_FNS, "eager", recording)
+    calls = record_sdpa_calls_as_eager(monkeypatch)
     torch._dynamo.reset()
     args = train_args(tmp_path, max_steps=2, stage="compiled", torch_compile_backend="eager")
     data = TokenDataset()

@@ -115,6 +115,32 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
 
 
+def sdpa_call_recorder():
+    """A Dynamo backend that notes (mask given?, is_causal) of each SDPA call in the graphs it is handed and runs them
+    as traced, and the list it notes them in."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
+        return gm.forward
+
+    return calls, backend
+
+
+def record_sdpa_calls_as_eager(monkeypatch) -> list[tuple[bool, bool]]:
+    """Dynamo's "eager" backend, which a Trainer can be given by name, replaced by :func:`sdpa_call_recorder`'s for
+    this test; returns the list it notes the calls in."""
+    import torch._dynamo.backends.registry as registry
+
+    calls, backend = sdpa_call_recorder()
+    registry.lookup_backend("eager")  # (registered before it is replaced)
+    monkeypatch.setitem(registry._COMPILER_FNS, "eager", backend)
+    return calls
+
+
 def loss_curve_agreement(a: list[float], b: list[float], window: int = 20) -> dict[str, float]:
     """How closely two same-seed loss curves agree: the largest relative gap between their moving averages
     (``window`` steps, after the first window) and the relative gap between their last-window means; ``gaps``: the

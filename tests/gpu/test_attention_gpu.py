@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.measure.report import METRICS_FILENAME
-from tests.testing_utils import TokenDataset, loss_curve_agreement, require_cuda
+from tests.testing_utils import TokenDataset, loss_curve_agreement, record_sdpa_calls_as_eager, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda]
 
@@ -162,19 +162,7 @@ def test_compiled_training_steps_hand_sdpa_is_causal(tmp_path, monkeypatch):
     """Under the installed transformers, on CUDA: the graphs Dynamo traces in ApexTrainer's compiled training and
     evaluation steps call SDPA with no mask and is_causal (hf_apex.kernels.attention.one_sequence_per_row; a
     graph-recording stand-in for the eager backend, as tests/test_attention.py does on a CPU)."""
-    import torch._dynamo.backends.registry as registry
-
-    calls = []
-
-    def recording(gm, example_inputs):
-        for node in gm.graph.nodes:
-            if "scaled_dot_product" in str(node.target):
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                calls.append((mask is not None, bool(node.kwargs.get("is_causal"))))
-        return gm.forward
-
-    registry.lookup_backend("eager")
-    monkeypatch.setitem(registry._COMPILER_FNS, "eager", recording)
+    calls = record_sdpa_calls_as_eager(monkeypatch)
     torch._dynamo.reset()
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2))
     args = ApexTrainingArguments(
