@@ -135,12 +135,15 @@ def alone(call: dict, contiguous: bool):
         heads.append(base.as_strided(shape, stride))
     if contiguous:
         leaves = heads = [torch.randn(h.shape, device="cuda", dtype=dtype, requires_grad=True) for h in heads]
-    grad = torch.randn(call["shapes"][0], device="cuda", dtype=dtype)
+    grad = torch.randn(call["shapes"][0], device="cuda", dtype=torch.bfloat16)  # (the output's dtype under autocast)
 
     def step():
-        out = F.scaled_dot_product_attention(
-            *heads, dropout_p=call["dropout_p"], is_causal=call["is_causal"], scale=call["scale"]
-        )
+        # under the step's autocast: the model hands SDPA FP32 tensors (recorded before autocast casts them), and
+        # autocast runs it in BF16 (without it, 2026-12-01's H200 ran FP32 memory-efficient kernels here, 2.95 ms)
+        with torch.autocast("cuda", torch.bfloat16):
+            out = F.scaled_dot_product_attention(
+                *heads, dropout_p=call["dropout_p"], is_causal=call["is_causal"], scale=call["scale"]
+            )
         torch.autograd.grad(out, leaves, grad)
 
     return step
