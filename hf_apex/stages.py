@@ -36,6 +36,9 @@ class StageConfig:
             cross-entropy, the same maths; see `hf_apex.kernels.loss`); other models keep their loss.
         compile_min_steps: with `torch_compile`, a run of fewer optimizer steps runs eager instead (compilation
             would not pay). A default: a value of yours wins (see `OVERRIDABLE`).
+        compile_recompute_pointwise: with `torch_compile`, the backward recomputes pointwise results that its
+            matmuls read (a GELU's output) instead of keeping them from the forward: less activation memory for a
+            little time, the same maths. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -52,11 +55,12 @@ class StageConfig:
     autotune: bool = False
     fused_linear_cross_entropy: bool = False
     compile_min_steps: int | None = None
+    compile_recompute_pointwise: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
     # not switches of the ladder but tuning: the stage's value is a default you may change
-    OVERRIDABLE = ("torch_compile_mode", "compile_min_steps", "attention_backend")
+    OVERRIDABLE = ("torch_compile_mode", "compile_min_steps", "compile_recompute_pointwise", "attention_backend")
 
     def settings(self) -> dict:
         """The arguments this stage sets, by name."""
@@ -87,8 +91,8 @@ STAGES: dict[str, StageConfig] = {
         ),
         StageConfig(
             "fastest",
-            "compiled with CUDA graphs + a causal LM's loss without its logits + the fastest SDPA backend, timed on "
-            "this GPU",
+            "compiled with CUDA graphs and pointwise results recomputed in the backward + a causal LM's loss without "
+            "its logits + the fastest SDPA backend, timed on this GPU",
             **_TORCH_FUSED,
             torch_compile=True,
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
@@ -102,6 +106,10 @@ STAGES: dict[str, StageConfig] = {
             # compilation took 21-29 s on an H200 and paid off against torch_fused after ~400 (Llama), ~460
             # (GPT-2) and ~2,150 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
             compile_min_steps=500,
+            # on an H200 BERT-base 128x128's step kept 1.67 GiB less (5.28 against 6.95 GiB, 0.48x baseline's
+            # 11.07) for 2.6 % more time (27.28 against 26.60 ms); the same losses to 1e-4
+            # (benchmarks/h200-2026-12-01-causal-steps)
+            compile_recompute_pointwise=True,
         ),
         StageConfig(
             "auto",

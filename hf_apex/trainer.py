@@ -17,7 +17,8 @@ repay compilation, see ``compile_min_steps``; wraps the data collator so that an
 see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions
 or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the
 model's SDPA masks decided without reading a tensor), ``training_step`` (under those masks a batch without
-``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; the run's
+``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; compiled,
+under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's
 first step leaves accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it
 first times the model's forward and backward on its batch with apex's norms and with torch's, see
 :meth:`Autotuner.choose_norms`; and names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
@@ -32,6 +33,7 @@ with CUDA graphs gets the step marks and the logits' copies it needs, and is ref
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -129,6 +131,18 @@ def too_short_to_compile(args, train_dataset) -> str | None:
         f"the run has {steps} optimizer steps, fewer than compile_min_steps={args.compile_min_steps}, so "
         "compilation would cost more than it saves (set compile_min_steps=0 to compile anyway)"
     )
+
+
+def compiled_backward_settings(args):
+    """The settings of torch.compile's partitioner for a run's training steps (what the compiled forward keeps for
+    the backward): with ``compile_recompute_pointwise``, pointwise results the backward's matmuls read are
+    recomputed there. Set around each step, not for the process: another trainer, or your own compiled code, keeps
+    torch's defaults."""
+    if not (isinstance(args, ApexTrainingArguments) and args.torch_compile and args.compile_recompute_pointwise):
+        return contextlib.nullcontext()
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(ban_recompute_materialized_backward=False)
 
 
 def _keep_fp32_strict() -> None:
@@ -301,7 +315,7 @@ class ApexTrainer(Trainer):
         return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
 
     def training_step(self, model, inputs, *args, **kwargs):
-        with one_sequence_per_row(self._one_sequence_per_row(inputs)):
+        with one_sequence_per_row(self._one_sequence_per_row(inputs)), compiled_backward_settings(self.args):
             return self._training_step(model, inputs, *args, **kwargs)
 
     def _training_step(self, model, inputs, *args, **kwargs):
@@ -495,6 +509,10 @@ class ApexTrainer(Trainer):
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
+        elif self.args.torch_compile and self.args.compile_recompute_pointwise:
+            kernels["compiled_backward"] = (
+                "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
+            )
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

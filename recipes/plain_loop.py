@@ -32,7 +32,12 @@ from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask, too_short_to_compile
+from hf_apex.trainer import (
+    DropFullAttentionMask,
+    compiled_backward_settings,
+    drops_full_attention_mask,
+    too_short_to_compile,
+)
 from hf_apex.training_args import uses_cuda_graphs
 
 
@@ -123,13 +128,14 @@ def main(out_json: str, argv: list[str]) -> dict:
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with (
-            torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
-            preferring(attention),
-            one_sequence_per_row(one_sequence),
-        ):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
+        with compiled_backward_settings(args):  # as ApexTrainer: around the whole step
+            with (
+                torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
+                preferring(attention),
+                one_sequence_per_row(one_sequence),
+            ):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
         if args.max_grad_norm > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -295,6 +295,43 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
     assert len(metrics["loss_history"]) == 6
 
 
+def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_not_two(tmp_path):
+    """By default a compiled BERT step keeps its FFN's activation both before the GELU (for the GELU's backward) and
+    after it (for the second matmul's); with compile_recompute_pointwise, only before it (the backward recomputes
+    the GELU). The same losses, and torch's default is back once the step is done."""
+    import torch._functorch.config as partitioner
+
+    width, tokens = 48, 4 * 16  # the FFN's width (unlike any other here) and a batch's tokens
+    kept, losses = {}, {}
+    for recompute in (None, True):
+        saved = []
+
+        class Recording(ApexTrainer):
+            def training_step(self, *args, **kwargs):
+                def pack(t):
+                    saved.append(t.ndim > 0 and t.shape[-1] == width and t.numel() == tokens * width)
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    return super().training_step(*args, **kwargs)
+
+        torch._dynamo.reset()  # (a compile of each; aot_eager: AOTAutograd's partitioner without generating code)
+        compiled = dict(stage="compiled", torch_compile_backend="aot_eager", compile_recompute_pointwise=recompute)
+        args = train_args(tmp_path / str(recompute), max_steps=2, **compiled)
+        model = tiny_model("bert", intermediate_size=width, hidden_dropout_prob=0.0).train()
+        trainer = Recording(model=model, args=args, train_dataset=TokenDataset(task="cls"))
+        trainer.train()
+        kept[recompute] = sum(saved)
+        losses[recompute] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert partitioner.ban_recompute_materialized_backward is True  # (torch's default, outside the steps)
+    torch._dynamo.reset()
+    layers, steps = 2, 2
+    assert kept == {None: 2 * layers * steps, True: layers * steps}, kept
+    assert losses[True] == pytest.approx(losses[None], rel=1e-6)
+    kernels = json.loads((tmp_path / "True" / METRICS_FILENAME).read_text())["kernels"]
+    assert "compile_recompute_pointwise" in kernels["compiled_backward"]
+
+
 def test_plain_training_arguments_are_not_let_accumulate_under_cuda_graphs(tmp_path):
     # ApexTrainingArguments refuse it (tests/test_training_args.py); ApexTrainer refuses it of plain ones too
     plain = dict(use_cpu=True, report_to="none", torch_compile_mode="reduce-overhead", gradient_accumulation_steps=2)

@@ -76,6 +76,16 @@ def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
     assert make(stage="fastest", gradient_accumulation_steps=1).torch_compile_mode == "reduce-overhead"
 
 
+def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to():
+    assert make(stage="fastest").compile_recompute_pointwise is True
+    assert make(stage="fastest", compile_recompute_pointwise=False).compile_recompute_pointwise is False  # yours wins
+    assert make(stage="compiled").compile_recompute_pointwise is None  # torch's default
+    assert make(stage="compiled", compile_recompute_pointwise=True).compile_recompute_pointwise is True
+    for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
+        with pytest.raises(ValueError, match="compile_recompute_pointwise=True .* but torch_compile is off"):
+            make(stage=stage, compile_recompute_pointwise=True)
+
+
 def test_fused_full_with_fp16():
     args = make(stage="fused_full", amp_dtype="fp16")
     assert args.fp16 and not args.bf16
