@@ -16,12 +16,13 @@ Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (r
 repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left out,
 see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions
 or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the
-model's SDPA masks decided without reading a tensor), ``training_step`` (under those masks a batch without
-``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; compiled,
-under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's
-first step leaves accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it
-first times the model's forward and backward on its batch with apex's norms and with torch's, see
-:meth:`Autotuner.choose_norms`; and names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
+model's SDPA masks decided without reading a tensor; compiled, Dynamo's graphs dropped when they were compiled under
+other partitioner settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch
+without ``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`;
+compiled, under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's first step leaves
+accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the
+model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and
+names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
 ``create_optimizer`` (under a compile mode that records CUDA graphs, each optimizer step marks the start of the next,
 see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under
 CUDA graphs, it keeps a copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires
@@ -133,16 +134,46 @@ def too_short_to_compile(args, train_dataset) -> str | None:
     )
 
 
-def compiled_backward_settings(args):
-    """The settings of torch.compile's partitioner for a run's training steps (what the compiled forward keeps for
-    the backward): with ``compile_recompute_pointwise``, pointwise results the backward's matmuls read are
-    recomputed there. Set around each step, not for the process: another trainer, or your own compiled code, keeps
-    torch's defaults."""
+def partitioner_settings(args) -> dict:
+    """The ``torch._functorch.config`` settings (what torch.compile's partitioner keeps from the forward for the
+    backward) of a run's training steps: with ``compile_recompute_pointwise``, pointwise results the backward's
+    matmuls read are recomputed there instead. Empty: torch's defaults."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile and args.compile_recompute_pointwise):
+        return {}
+    return {"ban_recompute_materialized_backward": False}
+
+
+def compiled_backward_settings(args):
+    """:func:`partitioner_settings` set around one training step, then torch's own again: another trainer's steps,
+    and compiled code of yours, keep theirs."""
+    settings = partitioner_settings(args)
+    if not settings:
         return contextlib.nullcontext()
     import torch._functorch.config
 
-    return torch._functorch.config.patch(ban_recompute_materialized_backward=False)
+    return torch._functorch.config.patch(**settings)
+
+
+# The partitioner settings of the graphs the last compiled ApexTrainer run left in Dynamo's cache. Dynamo's cache is
+# the process's, and it reuses a graph for another model of the same class without looking at these settings.
+_graphs_compiled_under: dict = {}
+
+
+def compile_under_own_settings(args) -> None:
+    """Before a compiled run: when its partitioner settings differ from those of the graphs the previous compiled run
+    of this process left, drop torch's compiled graphs (``torch._dynamo.reset``), so that this run compiles its own
+    (yours recompile at their next call)."""
+    global _graphs_compiled_under
+    if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
+        return
+    settings = partitioner_settings(args)
+    if settings != _graphs_compiled_under:
+        logger.info(
+            "hf_apex: this run's compiled backward keeps other results than the graphs compiled before it in this "
+            "process (compile_recompute_pointwise): torch's compiled graphs are dropped, to compile this run's own."
+        )
+        torch._dynamo.reset()
+    _graphs_compiled_under = settings
 
 
 def _keep_fp32_strict() -> None:
@@ -287,6 +318,7 @@ class ApexTrainer(Trainer):
             self._attention_to_tune = self.args.attention_backend == "fastest"
             self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
+            compile_under_own_settings(self.args)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:

@@ -63,13 +63,13 @@ class ApexTrainingArguments(TrainingArguments):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
             `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `fused_linear_cross_entropy`,
-            `attention_backend`, `tf32` and the AMP flags; setting any of them to something the stage contradicts
-            raises `ValueError` (`torch_compile_mode`, `compile_min_steps`, `compile_recompute_pointwise` and
-            `attention_backend` excepted: the stage's value is a default, and a mode on a stage that does not
-            compile is an error). `fastest` compiles with CUDA graphs (`"reduce-overhead"`) in a single process and
-            with torch's default mode under DDP or FSDP (not measured there) or gradient accumulation (which CUDA
-            graphs cannot do: a mode of yours that records them is then a `ValueError`). `None` leaves every switch
-            to you.
+            `compile_min_steps`, `compile_recompute_pointwise`, `attention_backend`, `tf32` and the AMP flags;
+            setting any of them to something the stage contradicts raises `ValueError` (`torch_compile_mode`,
+            `compile_min_steps`, `compile_recompute_pointwise` and `attention_backend` excepted: the stage's value
+            is a default, and a mode on a stage that does not compile is an error). `fastest` compiles with CUDA
+            graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not
+            measured there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records
+            them is then a `ValueError`). `None` leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -109,9 +109,11 @@ class ApexTrainingArguments(TrainingArguments):
             With `torch_compile`: the backward recomputes the pointwise results its matmuls read, such as a GELU's
             output, from what the forward keeps anyway (the GELU's input), instead of keeping both from the forward
             (`torch._functorch.config.ban_recompute_materialized_backward=False`, set for this trainer's training
-            steps only). The same maths, less activation memory, a little more time: on an H200 BERT-base at
-            128 x 128 held 1.67 GiB less (5.28 against 6.95 GiB) for 2.6 % more time per step. `None` keeps
-            torch's default (keep them); the `fastest` stage sets `True`, which `False` of yours overrides.
+            steps only; a run compiling under other settings than the graphs an earlier run of the process left
+            drops those first, `torch._dynamo.reset`). The same maths, less activation memory, a little more time:
+            on an H200 BERT-base at 128 x 128 held 1.67 GiB less (5.28 against 6.95 GiB) for 2.6 % more time per
+            step (the setting made for the whole run). `None` keeps torch's default (keep them); the `fastest` stage
+            sets `True`, which `False` of yours overrides.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -171,10 +173,11 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
-    > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `attention_backend`,
-    > `tf32=False`); a value you set that the stage contradicts is a `ValueError`, except for `torch_compile_mode`,
-    > `compile_min_steps`, `compile_recompute_pointwise` and `attention_backend`, whose stage values are defaults.
-    > A compile mode or backend on a stage that does not compile is a `ValueError` too.
+    > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `compile_min_steps`,
+    > `compile_recompute_pointwise`, `attention_backend`, `tf32=False`); a value you set that the stage contradicts
+    > is a `ValueError`, except for `torch_compile_mode`, `compile_min_steps`, `compile_recompute_pointwise` and
+    > `attention_backend`, whose stage values are defaults. A compile mode or backend on a stage that does not
+    > compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
     > a stage overrides it.

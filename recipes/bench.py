@@ -396,6 +396,8 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     # What defines the run: a kept run is reused only when it was made with these very settings.
     flags = finetune_args(name, stage, opts, run_dir, nproc)
     portable = [portable_path(a) if a.startswith("/") else a for a in flags]  # no machine paths on disk
+    if "--output_dir" in portable:  # where a run is kept is not what it ran: one moved to another --out_dir counts
+        portable[portable.index("--output_dir") + 1] = f"<out_dir>/runs/{run_id}"
     # the stage's row too: a run kept from before the row changed (e.g. fastest's compile mode) is not this stage
     settings = {"nproc": nproc, "finetune": portable, "plain": want_plain, "stage": STAGES[stage].settings()}
     settings_json = run_dir / "bench_settings.json"

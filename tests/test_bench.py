@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -280,6 +281,12 @@ def test_bench_runs_the_ladder_on_cpu_and_says_fallback(generated_data, word_tok
         assert (tmp_path / "results.png").stat().st_size > 10_000
     else:
         assert "no chart" in out.stdout
+    # ...and so does a call on those runs moved to another --out_dir (benches run side by side, merged), here named
+    # relative to the repository, as device_session.sh names its bench folders
+    merged = tmp_path / "merged"
+    shutil.copytree(tmp_path / "runs", merged / "runs")
+    moved = run_bench(generated_data, word_tokenizer, Path(os.path.relpath(merged, REPO)), flags)
+    assert moved.stdout.count("kept from") == 8
     # ...but not a run made with other settings (here the default batch of 8 instead of 4).
     flags = "--models gpt2 --stages baseline --steps 2 --warmup 1 --skip_existing --no_plain_loop"
     other = run_bench(generated_data, word_tokenizer, tmp_path, flags)

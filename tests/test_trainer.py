@@ -298,38 +298,42 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
 def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_not_two(tmp_path):
     """By default a compiled BERT step keeps its FFN's activation both before the GELU (for the GELU's backward) and
     after it (for the second matmul's); with compile_recompute_pointwise, only before it (the backward recomputes
-    the GELU). The same losses, and torch's default is back once the step is done."""
+    the GELU). The same losses; torch's default is back once a step is done; and trainers one after another in a
+    process each compile under their own setting (Dynamo alone would reuse the first one's graphs)."""
     import torch._functorch.config as partitioner
 
     width, tokens = 48, 4 * 16  # the FFN's width (unlike any other here) and a batch's tokens
-    kept, losses = {}, {}
-    for recompute in (None, True):
-        saved = []
 
-        class Recording(ApexTrainer):
-            def training_step(self, *args, **kwargs):
-                def pack(t):
-                    saved.append(t.ndim > 0 and t.shape[-1] == width and t.numel() == tokens * width)
-                    return t
+    class Recording(ApexTrainer):
+        ffn_activations_kept = 0
 
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    return super().training_step(*args, **kwargs)
+        def training_step(self, *args, **kwargs):
+            def pack(t):
+                self.ffn_activations_kept += t.ndim > 0 and t.shape[-1] == width and t.numel() == tokens * width
+                return t
 
-        torch._dynamo.reset()  # (a compile of each; aot_eager: AOTAutograd's partitioner without generating code)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return super().training_step(*args, **kwargs)
+
+    kept, losses = [], []
+    torch._dynamo.reset()
+    for run, recompute in enumerate((None, True, None)):
+        # aot_eager: AOTAutograd's partitioner, as under Inductor, without generating code
         compiled = dict(stage="compiled", torch_compile_backend="aot_eager", compile_recompute_pointwise=recompute)
-        args = train_args(tmp_path / str(recompute), max_steps=2, **compiled)
+        args = train_args(tmp_path / str(run), max_steps=2, **compiled)
         model = tiny_model("bert", intermediate_size=width, hidden_dropout_prob=0.0).train()
         trainer = Recording(model=model, args=args, train_dataset=TokenDataset(task="cls"))
         trainer.train()
-        kept[recompute] = sum(saved)
-        losses[recompute] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        kept.append(trainer.ffn_activations_kept)
+        losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
         assert partitioner.ban_recompute_materialized_backward is True  # (torch's default, outside the steps)
     torch._dynamo.reset()
     layers, steps = 2, 2
-    assert kept == {None: 2 * layers * steps, True: layers * steps}, kept
-    assert losses[True] == pytest.approx(losses[None], rel=1e-6)
-    kernels = json.loads((tmp_path / "True" / METRICS_FILENAME).read_text())["kernels"]
+    assert kept == [2 * layers * steps, layers * steps, 2 * layers * steps], kept
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
+    kernels = json.loads((tmp_path / "1" / METRICS_FILENAME).read_text())["kernels"]
     assert "compile_recompute_pointwise" in kernels["compiled_backward"]
+    assert "compiled_backward" not in json.loads((tmp_path / "0" / METRICS_FILENAME).read_text())["kernels"]
 
 
 def test_plain_training_arguments_are_not_let_accumulate_under_cuda_graphs(tmp_path):

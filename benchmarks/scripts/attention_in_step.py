@@ -1,9 +1,11 @@
-"""Why does attention take 2.3-2.6 times as long inside a training step as alone, with the same cuDNN kernels?
+"""Attention's kernels inside a training step (eager, compiled, compiled with one sequence per row) and alone.
 
     python benchmarks/scripts/attention_in_step.py [--model llama|gpt2] [--no_dropout] [--out OUT.json]
 
 On an H200 (2026-12-01, benchmarks/h200-2026-12-01-loss-test) cuDNN's forward kernel took 84 us alone and 218 us per
-layer in Llama's `fastest` step, its backward 224 and 506 us, with the same kernel names. This takes the bench model
+layer in Llama's `fastest` step, its backward 224 and 506 us, with the same kernel names; the full causal mask of
+compiled training steps was why (benchmarks/h200-2026-12-01-causal-steps: 787.9 against 358.7 us per layer, forward
+and backward, without and with `one_sequence_per_row`). This takes the bench model
 (random init, 16 x 1024 tokens, BF16 autocast, hf_apex's static masks as `fastest` sets them, no Trainer) and
 profiles the attention kernels of a forward + backward in six settings, each the mean over 3 steps per layer:
 
@@ -12,8 +14,9 @@ profiles the attention kernels of a forward + backward in six settings, each the
    `one_sequence_per_row` (on a CPU its SDPA calls got a full mask and no `is_causal`);
 3. `compiled, one sequence per row`: the same under `hf_apex.kernels.attention.one_sequence_per_row`, as ApexTrainer
    runs a batch without position ids now;
-4. `alone`: one SDPA call, forward + backward, on tensors of the shapes, strides, dtype and flags that the eager
-   model handed SDPA in its first layer (recorded by wrapping `F.scaled_dot_product_attention`);
+4. `alone`: one SDPA call, forward + backward under the step's BF16 autocast, on tensors of the shapes, strides,
+   dtype and flags that the eager model handed SDPA in its first layer (recorded by wrapping
+   `F.scaled_dot_product_attention`, before autocast casts them);
 5. `alone, contiguous`: the same on contiguous heads;
 6. `alone, after load`: `alone` right after 0.5 s of large matmuls, at the clock and power of a long run.
 

@@ -13,7 +13,11 @@
 # resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
 # stages, only those stages' runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
-# once every row is kept, else it runs what is missing until the deadline). DEADLINE: seconds for the whole
+# once every row is kept, else it runs what is missing until the deadline) |
+# pbench:<models>/<models>[/...][:<stage,stage>] (on a machine of several GPUs, one make bench per GPU at once, GPU i running group i,
+# models joined by ',', e.g. pbench:bert/gpt2,llama; each in .bench-gpu<i>, seeded from .bench/runs and with its own
+# autotune cache; then every run goes into .bench/runs, not overwriting, and a `bench:` step after it writes the one
+# table; the benches share the host's cores, which host-bound rows (BERT's eager ones) may feel). DEADLINE: seconds for the whole
 # call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step gets what is left, and .bench
 # is packed into $OUT/bench.tgz on the way out.
 # Needs in .deps/: apex/ (a git archive of the apex commit), data/ (a copy of ../shared/data), whl/ (the wheels of
@@ -25,7 +29,7 @@ DEADLINE=${DEADLINE:-570}
 left() { echo $((DEADLINE - SECONDS)); }
 [ -d /tmp/site/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .deps/whl/*.whl
 export PYTHONPATH=/tmp/site
-pack() { tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench 2>/dev/null; }
+pack() { tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null; }
 trap pack EXIT
 for step in "$@"; do
   echo "=== $step at ${SECONDS}s ($(date -u +%H:%M:%S))"
@@ -93,6 +97,23 @@ print(' '.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/h
       timeout -k 10 $(left) make bench OFFLINE=1 BENCH_MODELS=$model ${stages:+BENCH_STAGES="${stages//,/ }"} \
         BENCH_ARGS="--data_dir .deps/data --skip_existing" >> $OUT/bench-${model:-all}.log 2>&1
       echo "bench ${model:-all} rc $?"; grep -E "bench:|p50|failed|Error" $OUT/bench-${model:-all}.log | tail -40;;
+    pbench:*)
+      IFS=: read -r _ spec stages <<< "$step"
+      IFS=/ read -ra groups <<< "$spec"
+      pids=()
+      for i in "${!groups[@]}"; do
+        mkdir -p .bench-gpu$i/runs
+        for model in ${groups[$i]//,/ }; do cp -rn .bench/runs/$model-* .bench-gpu$i/runs/ 2>/dev/null; done
+        CUDA_VISIBLE_DEVICES=$i HF_APEX_CACHE=$PWD/.bench-gpu$i/autotune.json timeout -k 10 $(left) make bench OFFLINE=1 \
+          BENCH_DIR=.bench-gpu$i BENCH_MODELS="${groups[$i]//,/ }" ${stages:+BENCH_STAGES="${stages//,/ }"} \
+          BENCH_ARGS="--data_dir .deps/data --skip_existing" \
+          >> $OUT/pbench-gpu$i.log 2>&1 &
+        pids+=($!)
+      done
+      for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "pbench GPU $i (${groups[$i]}) rc $?"; done
+      mkdir -p .bench/runs
+      for i in "${!groups[@]}"; do cp -rn .bench-gpu$i/runs/. .bench/runs/; done
+      grep -hE "bench:|p50|failed|Error" $OUT/pbench-gpu*.log | tail -40;;
   esac
 done
 echo "=== done at ${SECONDS}s"
