@@ -18,8 +18,8 @@
 # running group i, models joined by ',', e.g. pbench:bert/gpt2,llama; each in .bench-gpu<i>, seeded from .bench/runs
 # and with its own autotune cache; then every run goes into .bench/runs, not overwriting, and a `bench:` step after it
 # writes the one table; the benches share the host's cores, which host-bound rows (BERT's eager ones) may feel).
-# DEADLINE: seconds for the whole call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step gets what is left, and .bench
-# is packed into $OUT/bench.tgz on the way out.
+# DEADLINE: seconds for the whole call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step
+# gets what is left, and .bench (with any .bench-gpu<i>) is packed into $OUT/bench.tgz on the way out.
 # Needs in .deps/: apex/ (a git archive of the apex commit), data/ (a copy of ../shared/data), whl/ (the wheels of
 # ../shared/tools/gpu-wheels: datasets and its two dependencies). TG_ARGS: more pytest flags for testgpu.
 set -o pipefail
