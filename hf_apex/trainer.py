@@ -541,7 +541,7 @@ class ApexTrainer(Trainer):
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
-        elif self.args.torch_compile and self.args.compile_recompute_pointwise:
+        elif partitioner_settings(self.args):
             kernels["compiled_backward"] = (
                 "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
             )
