@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 APEX_OPTIMIZERS = ("none", "fused_adam", "fused_lamb")
+RECOMPUTE_CHOICES = ("auto", "true", "false")  # compile_recompute_pointwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,10 @@ class StageConfig:
             cross-entropy, the same maths; see `hf_apex.kernels.loss`); other models keep their loss.
         compile_min_steps: with `torch_compile`, a run of fewer optimizer steps runs eager instead (compilation
             would not pay). A default: a value of yours wins (see `OVERRIDABLE`).
-        compile_recompute_pointwise: with `torch_compile`, the backward recomputes pointwise results that its
-            matmuls read (a GELU's output) instead of keeping them from the forward: less activation memory for a
-            little time, the same maths. A default, as above.
+        compile_recompute_pointwise: with `torch_compile`, `"true"`: the backward recomputes pointwise results that
+            its matmuls read (a GELU's output) instead of keeping them from the forward: less activation memory for
+            a little time, the same maths; `"auto"`: so unless the loss runs without the logits
+            (`fused_linear_cross_entropy`). A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -56,7 +58,7 @@ class StageConfig:
     autotune: bool = False
     fused_linear_cross_entropy: bool = False
     compile_min_steps: int | None = None
-    compile_recompute_pointwise: bool | None = None
+    compile_recompute_pointwise: str | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -107,10 +109,11 @@ STAGES: dict[str, StageConfig] = {
             # compilation took 21-29 s on an H200 and paid off against torch_fused after ~400 (Llama), ~460
             # (GPT-2) and ~2,150 (BERT) steps (benchmarks/h200-2026-11-30-ladder)
             compile_min_steps=500,
-            # on an H200 BERT-base 128x128's step kept 1.67 GiB less (5.28 against 6.95 GiB, 0.48x baseline's
-            # 11.07) for 2.6 % more time (27.28 against 26.60 ms), its logged losses within 0.1 %; measured with the
-            # setting made for the whole run (benchmarks/h200-2026-12-01-causal-steps), not yet through this field
-            compile_recompute_pointwise=True,
+            # on an H200 recomputing kept BERT-base 128x128's step 1.67 GiB less (5.28 against 6.95 GiB, 0.48x the
+            # baseline's 11.07) for 2.6 % more time, its losses within 0.1 %; GPT-2's and Llama's, under the
+            # logits-free loss at 0.31x and 0.35x of their baselines' memory without it, it cost 2.8 % and 1.9 %
+            # (benchmarks/h200-2026-12-01-causal-steps, benchmarks/h200-2026-12-01-recompute)
+            compile_recompute_pointwise="auto",
         ),
         StageConfig(
             "auto",

@@ -56,7 +56,7 @@ from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
-from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
+from .kernels.loss import fuse_linear_cross_entropy, is_fused, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.surgery import RewireReport, rewire, unrewire
@@ -134,19 +134,23 @@ def too_short_to_compile(args, train_dataset) -> str | None:
     )
 
 
-def partitioner_settings(args) -> dict:
+def partitioner_settings(args, model: nn.Module | None) -> dict:
     """The ``torch._functorch.config`` settings (what torch.compile's partitioner keeps from the forward for the
-    backward) of a run's training steps: with ``compile_recompute_pointwise``, pointwise results the backward's
-    matmuls read are recomputed there instead. Empty: torch's defaults."""
-    if not (isinstance(args, ApexTrainingArguments) and args.torch_compile and args.compile_recompute_pointwise):
+    backward) of a run's training steps on ``model``: with ``compile_recompute_pointwise`` (``"true"``, or
+    ``"auto"`` for a model whose loss reads its logits), pointwise results the backward's matmuls read are
+    recomputed there instead. Empty: torch's defaults."""
+    if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
-    return {"ban_recompute_materialized_backward": False}
+    wanted = args.compile_recompute_pointwise
+    if wanted == "true" or (wanted == "auto" and not (model is not None and is_fused(model))):
+        return {"ban_recompute_materialized_backward": False}
+    return {}
 
 
-def compiled_backward_settings(args):
+def compiled_backward_settings(args, model: nn.Module | None):
     """:func:`partitioner_settings` set around one training step, then torch's own again: another trainer's steps,
     and compiled code of yours, keep theirs."""
-    settings = partitioner_settings(args)
+    settings = partitioner_settings(args, model)
     if not settings:
         return contextlib.nullcontext()
     import torch._functorch.config
@@ -159,14 +163,14 @@ def compiled_backward_settings(args):
 _graphs_compiled_under: dict = {}
 
 
-def compile_under_own_settings(args) -> None:
+def compile_under_own_settings(args, model: nn.Module | None) -> None:
     """Before a compiled run: when its partitioner settings differ from those of the graphs the previous compiled run
     of this process left, drop torch's compiled graphs (``torch._dynamo.reset``), so that this run compiles its own
     (yours recompile at their next call)."""
     global _graphs_compiled_under
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return
-    settings = partitioner_settings(args)
+    settings = partitioner_settings(args, model)
     if settings != _graphs_compiled_under:
         logger.info(
             "hf_apex: this run's compiled backward keeps other results than the graphs compiled before it in this "
@@ -318,7 +322,7 @@ class ApexTrainer(Trainer):
             self._attention_to_tune = self.args.attention_backend == "fastest"
             self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
-            compile_under_own_settings(self.args)
+            compile_under_own_settings(self.args, self.model)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
@@ -347,7 +351,8 @@ class ApexTrainer(Trainer):
         return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
 
     def training_step(self, model, inputs, *args, **kwargs):
-        with one_sequence_per_row(self._one_sequence_per_row(inputs)), compiled_backward_settings(self.args):
+        masks, backward = self._one_sequence_per_row(inputs), compiled_backward_settings(self.args, self.model)
+        with one_sequence_per_row(masks), backward:
             return self._training_step(model, inputs, *args, **kwargs)
 
     def _training_step(self, model, inputs, *args, **kwargs):
@@ -541,9 +546,14 @@ class ApexTrainer(Trainer):
             kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
-        elif partitioner_settings(self.args):
+        elif partitioner_settings(self.args, self.model):
             kernels["compiled_backward"] = (
                 "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
+            )
+        elif self.args.torch_compile and self.args.compile_recompute_pointwise == "auto":
+            kernels["compiled_backward"] = (
+                "keeps the pointwise results its matmuls read (compile_recompute_pointwise=auto: the loss runs "
+                "without the logits)"
             )
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"

@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .measure.report import compile_mode
-from .stages import APEX_OPTIMIZERS, STAGES, get_stage
+from .stages import APEX_OPTIMIZERS, RECOMPUTE_CHOICES, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
 
@@ -105,15 +105,19 @@ class ApexTrainingArguments(TrainingArguments):
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took
             21-29 s per model on an H200 and paid off against eager BF16 after ~400-2,150 steps. `None` (or 0)
             compiles whenever asked; the `fastest` stage sets 500, which a value of yours overrides.
-        compile_recompute_pointwise (`bool` or `None`, *optional*, defaults to `None`):
-            With `torch_compile`: the backward recomputes the pointwise results its matmuls read, such as a GELU's
-            output, from what the forward keeps anyway (the GELU's input), instead of keeping both from the forward
-            (`torch._functorch.config.ban_recompute_materialized_backward=False`, set for this trainer's training
-            steps only; a run compiling under other settings than the graphs an earlier run of the process left
-            drops those first, `torch._dynamo.reset`). The same maths, less activation memory, a little more time:
-            on an H200 BERT-base at 128 x 128 held 1.67 GiB less (5.28 against 6.95 GiB) for 2.6 % more time per
-            step (the setting made for the whole run). `None` keeps torch's default (keep them); the `fastest` stage
-            sets `True`, which `False` of yours overrides.
+        compile_recompute_pointwise (`str` or `None`, *optional*, defaults to `None`):
+            With `torch_compile`: `"true"` makes the backward recompute the pointwise results its matmuls read, such
+            as a GELU's output, from what the forward keeps anyway (the GELU's input), instead of keeping both from
+            the forward (`torch._functorch.config.ban_recompute_materialized_backward=False`, set for this trainer's
+            training steps only; a run compiling under other settings than the graphs an earlier run of the process
+            left drops those first, `torch._dynamo.reset`). The same maths, less activation memory, a little more
+            time: on an H200 BERT-base at 128 x 128 held 1.67 GiB less (5.28 against 6.95 GiB) for 2.6 % more time
+            per step, GPT-2 124M at 16 x 1024 1.85 GiB less for 2.8 % more. `"auto"`: `"true"` for a model whose
+            training loss is computed from its logits, `"false"` where `fused_linear_cross_entropy` took the logits
+            away: that already put GPT-2's and Llama's peak at a third of the baseline's, so recomputing would only
+            cost them time (2.8 % and 1.9 % of the step). `None` or `"false"`: torch's default (keep them). The
+            `fastest` stage sets `"auto"`, which a value of yours overrides; `True` and `False` stand for `"true"`
+            and `"false"`.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -234,12 +238,14 @@ class ApexTrainingArguments(TrainingArguments):
             "not pay). None: compile whenever asked; 0 too. The fastest stage sets 500."
         },
     )
-    compile_recompute_pointwise: bool | None = field(
+    compile_recompute_pointwise: str | None = field(
         default=None,
         metadata={
-            "help": "With torch_compile: the backward recomputes pointwise results its matmuls read (a GELU's "
-            "output) instead of keeping them: less activation memory, a little more time, same maths. None: torch's "
-            "default (keep them). The fastest stage sets True."
+            "help": "With torch_compile: true makes the backward recompute pointwise results its matmuls read (a "
+            "GELU's output) instead of keeping them: less activation memory, a little more time, same maths. auto: "
+            "true unless the causal-LM loss runs without logits (fused_linear_cross_entropy). None or false: torch's "
+            "default (keep them). The fastest stage sets auto.",
+            "choices": list(RECOMPUTE_CHOICES),
         },
     )
     fused_linear_cross_entropy: bool = field(
@@ -291,6 +297,13 @@ class ApexTrainingArguments(TrainingArguments):
         # Stage switches must be set before super().__post_init__(): it derives mixed precision and TF32 from them.
         if self.amp_dtype not in ("bf16", "fp16"):
             raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
+        if isinstance(self.compile_recompute_pointwise, bool):  # (before the stage: a value of yours wins over it)
+            self.compile_recompute_pointwise = str(self.compile_recompute_pointwise).lower()
+        if self.compile_recompute_pointwise not in (None, *RECOMPUTE_CHOICES):
+            raise ValueError(
+                f"compile_recompute_pointwise must be one of {RECOMPUTE_CHOICES} or None, got "
+                f"{self.compile_recompute_pointwise!r}"
+            )
         if self.stage is not None:
             self._apply_stage()
         if self.ddp_find_unused_parameters is None:
@@ -305,10 +318,11 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_CHOICES} or None, got {self.attention_backend!r}"
             )
-        if self.compile_recompute_pointwise and not self.torch_compile:
+        if self.compile_recompute_pointwise not in (None, "false") and not self.torch_compile:
             raise ValueError(
-                "compile_recompute_pointwise=True sets what torch.compile's backward recomputes, but torch_compile is "
-                "off: turn torch_compile on (or pick a stage that compiles: compiled, fastest), or drop it."
+                f"compile_recompute_pointwise={self.compile_recompute_pointwise!r} sets what torch.compile's backward "
+                "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
+                "compiled, fastest), or drop it."
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")

@@ -296,10 +296,11 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
 
 
 def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_not_two(tmp_path):
-    """By default a compiled BERT step keeps its FFN's activation both before the GELU (for the GELU's backward) and
+    """By default a compiled step keeps its FFN's activation both before the GELU (for the GELU's backward) and
     after it (for the second matmul's); with compile_recompute_pointwise, only before it (the backward recomputes
-    the GELU). The same losses; torch's default is back once a step is done; and trainers one after another in a
-    process each compile under their own setting (Dynamo alone would reuse the first one's graphs)."""
+    the GELU). The same losses; torch's default is back once a step is done; trainers one after another in a
+    process each compile under their own setting (Dynamo alone would reuse the first one's graphs); and "auto"
+    recomputes for BERT but not for a GPT-2 whose loss runs without the logits."""
     import torch._functorch.config as partitioner
 
     width, tokens = 48, 4 * 16  # the FFN's width (unlike any other here) and a batch's tokens
@@ -315,25 +316,37 @@ def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_n
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 return super().training_step(*args, **kwargs)
 
-    kept, losses = [], []
-    torch._dynamo.reset()
-    for run, recompute in enumerate((None, True, None)):
+    def run(name, family, recompute, **kw):
         # aot_eager: AOTAutograd's partitioner, as under Inductor, without generating code
-        compiled = dict(stage="compiled", torch_compile_backend="aot_eager", compile_recompute_pointwise=recompute)
-        args = train_args(tmp_path / str(run), max_steps=2, **compiled)
-        model = tiny_model("bert", intermediate_size=width, hidden_dropout_prob=0.0).train()
-        trainer = Recording(model=model, args=args, train_dataset=TokenDataset(task="cls"))
+        compiled = dict(torch_compile_backend="aot_eager", compile_recompute_pointwise=recompute, **kw)
+        args = train_args(tmp_path / name, max_steps=2, **compiled)
+        if family == "bert":
+            data = TokenDataset(task="cls")
+            model = tiny_model("bert", intermediate_size=width, hidden_dropout_prob=0.0)
+        else:
+            model, data = tiny_model("gpt2", n_inner=width, resid_pdrop=0.0, embd_pdrop=0.0), TokenDataset()
+        trainer = Recording(model=model.train(), args=args, train_dataset=data)
         trainer.train()
-        kept.append(trainer.ffn_activations_kept)
-        losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
         assert partitioner.ban_recompute_materialized_backward is True  # (torch's default, outside the steps)
+        kernels = json.loads((tmp_path / name / METRICS_FILENAME).read_text())["kernels"]
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return trainer.ffn_activations_kept, losses, kernels.get("compiled_backward", "")
+
+    torch._dynamo.reset()
+    bert = [run(str(i), "bert", value, stage="compiled") for i, value in enumerate((None, True, None, "auto"))]
+    # GPT-2 with the logits-free loss (as fastest runs it, in FP32 here): "auto" keeps what torch keeps
+    lm = dict(torch_compile=True, fused_linear_cross_entropy=True)
+    gpt2 = [run(f"gpt2-{value}", "gpt2", value, **lm) for value in ("auto", "true")]
     torch._dynamo.reset()
     layers, steps = 2, 2
-    assert kept == [2 * layers * steps, layers * steps, 2 * layers * steps], kept
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
-    kernels = json.loads((tmp_path / "1" / METRICS_FILENAME).read_text())["kernels"]
-    assert "compile_recompute_pointwise" in kernels["compiled_backward"]
-    assert "compiled_backward" not in json.loads((tmp_path / "0" / METRICS_FILENAME).read_text())["kernels"]
+    assert [kept for kept, _, _ in bert] == [2 * layers * steps, layers * steps, 2 * layers * steps, layers * steps]
+    for _, losses, _ in bert[1:]:
+        assert losses == pytest.approx(bert[0][1], rel=1e-6)
+    assert "recomputes" in bert[1][2] and "recomputes" in bert[3][2] and not bert[0][2]
+    (auto_kept, auto_losses, auto_says), (true_kept, true_losses, _) = gpt2
+    assert auto_kept == 2 * layers * steps and true_kept == layers * steps, (auto_kept, true_kept)
+    assert true_losses == pytest.approx(auto_losses, rel=1e-6)
+    assert auto_says.startswith("keeps") and "without the logits" in auto_says
 
 
 def test_plain_training_arguments_are_not_let_accumulate_under_cuda_graphs(tmp_path):

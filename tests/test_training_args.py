@@ -77,13 +77,18 @@ def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
 
 
 def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to():
-    assert make(stage="fastest").compile_recompute_pointwise is True
-    assert make(stage="fastest", compile_recompute_pointwise=False).compile_recompute_pointwise is False  # yours wins
+    assert make(stage="fastest").compile_recompute_pointwise == "auto"  # (the model decides: tests/test_trainer.py)
+    assert make(stage="fastest", compile_recompute_pointwise=False).compile_recompute_pointwise == "false"  # yours
+    assert make(stage="fastest", compile_recompute_pointwise="true").compile_recompute_pointwise == "true"
     assert make(stage="compiled").compile_recompute_pointwise is None  # torch's default
-    assert make(stage="compiled", compile_recompute_pointwise=True).compile_recompute_pointwise is True
+    assert make(stage="compiled", compile_recompute_pointwise=True).compile_recompute_pointwise == "true"
     for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
-        with pytest.raises(ValueError, match="compile_recompute_pointwise=True .* but torch_compile is off"):
-            make(stage=stage, compile_recompute_pointwise=True)
+        for value in (True, "auto"):
+            with pytest.raises(ValueError, match="compile_recompute_pointwise=.* but torch_compile is off"):
+                make(stage=stage, compile_recompute_pointwise=value)
+        assert make(stage=stage, compile_recompute_pointwise=False).compile_recompute_pointwise == "false"
+    with pytest.raises(ValueError, match="must be one of"):
+        make(stage="fastest", compile_recompute_pointwise="yes")
 
 
 def test_fused_full_with_fp16():
@@ -141,6 +146,10 @@ def test_cli_parsing():
     assert args.apex_fused_norms and args.metrics_warmup_steps == 2
     with pytest.raises(SystemExit):
         HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(["--stage", "nope"])
+    (args,) = HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--stage", "fastest", "--use_cpu", "--compile_recompute_pointwise", "false"]
+    )
+    assert args.compile_recompute_pointwise == "false"
 
 
 def test_help_works_without_apex_and_lists_every_field():
