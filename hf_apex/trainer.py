@@ -160,7 +160,8 @@ def compiled_backward_settings(args, model: nn.Module | None):
 
 # The partitioner settings of the graphs the last compiled ApexTrainer run left in Dynamo's cache. Dynamo's cache is
 # the process's, and it reuses a graph for another model of the same class without looking at these settings.
-_graphs_compiled_under: dict = {}
+# None: no compiled run yet (the graphs compiled before, if any, are yours, under torch's settings).
+_graphs_compiled_under: dict | None = None
 
 
 def compile_under_own_settings(args, model: nn.Module | None) -> None:
@@ -171,11 +172,13 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return
     settings = partitioner_settings(args, model)
-    if settings != _graphs_compiled_under:
-        logger.info(
-            "hf_apex: this run's compiled backward keeps other results than the graphs compiled before it in this "
-            "process (compile_recompute_pointwise): torch's compiled graphs are dropped, to compile this run's own."
-        )
+    if settings != (_graphs_compiled_under or {}):
+        if _graphs_compiled_under is not None:
+            logger.info(
+                "hf_apex: this run's compiled backward keeps other results than the graphs an earlier run compiled "
+                "in this process (compile_recompute_pointwise): torch's compiled graphs are dropped, to compile "
+                "this run's own."
+            )
         torch._dynamo.reset()
     _graphs_compiled_under = settings
 
