@@ -4,7 +4,8 @@
 # steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | attnstep:<model>[:nodrop] (benchmarks/scripts/attention_in_step.py) | cupti
+# test) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py) | attnstep:<model>[:nodrop]
+# (benchmarks/scripts/attention_in_step.py) | cupti
 # (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
 # that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
@@ -61,6 +62,9 @@ for step in "$@"; do
     sdpa)
       timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json --kernels > $OUT/sdpa.log 2>&1
       echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
+    losschunk)
+      timeout -k 10 $(left) python3 benchmarks/scripts/loss_chunk.py --out $OUT/loss_chunk.json > $OUT/loss_chunk.log 2>&1
+      echo "losschunk rc $?"; cut -c1-200 $OUT/loss_chunk.log | grep -v "^\[" | tail -60;;
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
       envs=(); args=()

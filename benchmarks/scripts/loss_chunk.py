@@ -1,0 +1,166 @@
+"""The logits-free loss alone, compiled, against two rewrites of its chunk: where its time goes and what they save.
+
+usage: python benchmarks/scripts/loss_chunk.py [--out FILE.json] [--positions 16384] [--hidden 768] [--vocab 50257]
+       (on a CPU, `--positions 256 --hidden 32 --vocab 1000 --steps 2` checks that the variants agree, nothing more)
+
+On an H200 GPT-2's `fastest` step spent 2.3 ms in the loss's softmax reduction kernel (8 chunks of 2,048 x 50,304,
+about 2.2 TB/s if it reads the logits twice and writes their gradient once) and more in the kernels around it
+(benchmarks/h200-2026-12-01-recompute). Each variant runs `hf_apex.kernels.loss.LinearCrossEntropy`'s maths under
+torch.compile, forward and backward, at the bench's shape in BF16:
+
+- `current`: hf_apex's own (`causal_lm_loss`);
+- `pointwise`: the gradient of each chunk written as one pointwise expression of the logits (softmax minus the
+  one-hot target, as a comparison with the column index), without the in-place updates and the scatter;
+- `fp32_accumulate`: the head's weight gradient accumulated by the matmul itself in FP32 (`torch.addmm` with
+  `out_dtype=torch.float32`), instead of a BF16 product converted and added chunk by chunk;
+- `both`.
+
+For each it prints the median time of a forward + backward over `--steps` calls (CUDA events), the kernels of one
+call with their time (torch.profiler), and how far its loss and gradients are from `current`'s.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, ".")
+from hf_apex.kernels import loss as L  # noqa: E402
+
+
+def chunk_forward(pointwise: bool, fp32_accumulate: bool):
+    """A forward for LinearCrossEntropy with the chunk written as the flags say (the same maths as hf_apex's)."""
+
+    def forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, grad_hidden, grad_weight):
+        dtype = amp or hidden.dtype
+        vocab = weight.shape[0]
+        h = hidden.to(dtype)
+        w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % L.PAD_MULTIPLE))
+        chunks = 1
+        while chunks * L.CHUNK_ELEMENTS < h.shape[0] * w.shape[0]:
+            chunks *= 2
+        cols = torch.arange(w.shape[0], device=h.device)
+        grad_h = []
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
+            valid = yc != ignore_index
+            target = yc.where(valid, 0)
+            if pointwise:
+                x = (hc @ w.T).float().masked_fill(cols >= vocab, float("-inf"))
+                lse = torch.logsumexp(x, dim=-1)
+                picked = x.gather(1, target[:, None]).squeeze(1)
+                onehot = (cols == target[:, None]).to(torch.float32)
+                g = (((x - lse[:, None]).exp() - onehot) * valid[:, None]).to(dtype)
+            else:
+                x = (hc @ w.T).float()
+                x[:, vocab:] = float("-inf")
+                lse = torch.logsumexp(x, dim=-1)
+                picked = x.gather(1, target[:, None]).squeeze(1)
+                probs = x.sub_(lse[:, None]).exp_()
+                probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
+                g = probs.mul_(valid[:, None]).to(dtype)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            grad_h.append((g @ w).float())
+            if fp32_accumulate:
+                grad_w = torch.addmm(grad_w, g.T, hc, out_dtype=torch.float32)
+            else:
+                grad_w += (g.T @ hc).float()
+        divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
+        ctx.save_for_backward(torch.cat(grad_h).div_(divisor), grad_w[:vocab].div_(divisor))
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total / divisor
+
+    return staticmethod(forward)
+
+
+VARIANTS = {"current": None, "pointwise": (True, False), "fp32_accumulate": (False, True), "both": (True, True)}
+
+
+def loss_class(name):
+    if VARIANTS[name] is None:
+        return L.LinearCrossEntropy
+    return type(f"LinearCrossEntropy_{name}", (L.LinearCrossEntropy,), {"forward": chunk_forward(*VARIANTS[name])})
+
+
+def step_fn(cls, amp):
+    def step(hidden, weight, targets):
+        loss = cls.apply(hidden, weight, targets, (targets != -100).sum(), -100, amp, True, True)
+        grad_h, grad_w = torch.autograd.grad(loss, (hidden, weight))
+        return loss, grad_h, grad_w
+
+    return torch.compile(step)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--positions", type=int, default=16 * 1024)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out")
+    o = p.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    hidden = (torch.randn(o.positions, o.hidden, device=device) * 0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(o.vocab, o.hidden, device=device) * 0.02).requires_grad_()
+    targets = torch.randint(0, o.vocab, (o.positions,), device=device)
+    targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
+    amp = torch.bfloat16
+    results, reference = {}, None
+    for name in o.variants.split(","):
+        step = step_fn(loss_class(name), amp)
+        try:
+            out = step(hidden, weight, targets)  # compiles
+        except Exception as e:  # e.g. an op Inductor cannot lower on this torch: recorded, the others go on
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"{name:16s} failed: {results[name]['error']}", flush=True)
+            continue
+        if reference is None:
+            reference = out
+        gaps = {
+            k: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+            for k, a, b in zip(("loss", "grad_hidden", "grad_weight"), out, reference)
+        }
+        times = []
+        for _ in range(o.steps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(hidden, weight, targets)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                step(hidden, weight, targets)
+        kernels = []
+        if cuda:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step(hidden, weight, targets)
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+                kernels.append({"name": e.key[:110], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 3)})
+        results[name] = {
+            "ms_p50": round(statistics.median(times), 3) if times else None,
+            "ms_min": round(min(times), 3) if times else None,
+            "relative_gap_to_current": gaps,
+            "kernels": kernels,
+        }
+        print(f"{name:16s} p50 {results[name]['ms_p50']} ms  gaps {gaps}", flush=True)
+        for k in kernels:
+            print(f"    {k['ms']:8.3f} ms  x{k['calls']:<3d} {k['name']}")
+    if o.out:
+        shape = {"positions": o.positions, "hidden": o.hidden, "vocab": o.vocab, "steps": o.steps}
+        info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, **shape}
+        with open(o.out, "w") as f:
+            json.dump({"run": info, "variants": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
