@@ -35,11 +35,12 @@ def train_args(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("stage", SEED_STAGES)
-def test_every_stage_trains_and_writes_its_metrics(stage, tmp_path):
+def test_every_stage_trains_and_writes_its_metrics(stage, tmp_path, caplog):
     model = tiny_model("gpt2").train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = ApexTrainer(model=model, args=train_args(tmp_path, stage=stage), train_dataset=TokenDataset())
-    trainer.train()
+    with caplog.at_level("INFO", logger="hf_apex"):
+        trainer.train()
 
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
@@ -68,6 +69,14 @@ def test_every_stage_trains_and_writes_its_metrics(stage, tmp_path):
     # A step's time runs to the next step's start, so each log reports the steps before it.
     assert len(logged) == 6 and all("step_time_ms" in h and "tokens_per_s" in h for h in logged[1:])
     assert [h["loss"] for h in metrics["loss_history"]] == [h["loss"] for h in logged]
+    # The console says what the run bought, with the JSON's figures
+    head = f"hf_apex: stage {stage}, 4 timed steps after 2 warm-up ({metrics['run']['precision']}): "
+    assert head + f"{metrics['step_time_ms']['p50']:,.1f} ms/step p50" in caplog.text
+    assert f"{metrics['tokens_per_s']:,.0f} tokens/s" in caplog.text and "peak memory n/a (no CUDA)" in caplog.text
+    if stage != "baseline":
+        assert "optimizer 0 apex / 6 fallback (cpu tensors" in caplog.text
+    else:
+        assert "hf_apex: calls: no apex component in this run" in caplog.text
 
 
 def test_fused_stages_match_baseline_maths_on_cpu(tmp_path):

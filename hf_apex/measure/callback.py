@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from .. import distributed
 from ..kernels import trace
 from .flops import lookup_peak_tflops, model_shape
-from .report import GIB, process_age_s, rates, run_summary, write_metrics_file
+from .report import GIB, process_age_s, rates, run_summary, summary_lines, write_metrics_file
 from .steps import BatchCounter, StepRecord, StepTimer, merge_ranks, resolve_tokens
 
 logger = logging.getLogger("hf_apex")
@@ -130,7 +130,10 @@ class StageMetricsCallback(TrainerCallback):
         self._flush(final=True)  # a collective under DDP: every rank takes part
         self._window.clear()  # no log follows: the summary holds these steps
         if state.is_world_process_zero:
-            path = write_metrics_file(args.output_dir, self.summary(args, state))
+            summary = self.summary(args, state)
+            for line in summary_lines(summary):
+                logger.info("%s", line)
+            path = write_metrics_file(args.output_dir, summary)
             logger.info("hf_apex: stage metrics written to %s", path)
 
     def _close_profile(self) -> None:

@@ -141,6 +141,40 @@ def run_summary(
     }
 
 
+def summary_lines(data: dict) -> list[str]:
+    """What a run bought, in two lines for the console, from its :func:`run_summary`: timing after warm-up,
+    throughput, MFU, peak memory, and per component the calls that reached apex and those that fell back (with why),
+    then the apex kernels the profiler saw run."""
+    run, t = data["run"], data["step_time_ms"]
+    if t:
+        timing = f"{t['p50']:,.1f} ms/step p50 (p20-p80 {t['p20']:,.1f}-{t['p80']:,.1f})"
+    else:
+        timing = "no step timed"
+    mfu = f"{data['mfu']:.1%} MFU" if data.get("mfu") else "MFU n/a (no known GPU peak)"
+    memory = data.get("peak_memory_allocated_gib")
+    figures = [
+        timing,
+        f"{data['tokens_per_s']:,.0f} tokens/s" if data.get("tokens_per_s") else None,
+        mfu,
+        f"peak {memory:.2f} GiB" if memory is not None else "peak memory n/a (no CUDA)",
+    ]
+    head = (
+        f"hf_apex: stage {data['stage'] or '(none)'}, {run['timed_steps']} timed steps after {run['warmup_steps']} "
+        f"warm-up ({run['precision']}): " + ", ".join(f for f in figures if f)
+    )
+    calls = []
+    for component, c in data["kernels"]["calls"].items():
+        part = f"{component} {c['apex']} apex / {c['fallback']} fallback"
+        if "torch" in c:
+            part += f" / {c['torch']} torch (autotune)"
+        reasons = "; ".join(c.get("fallback_reasons") or {})
+        calls.append(part + (f" ({reasons})" if reasons else ""))
+    profiled = data["kernels"].get("profiled") or {}
+    ran = ", ".join(profiled.get("apex") or {}) or "none"
+    seen = f"; apex kernels seen running: {ran}" if profiled else ""
+    return [head, "hf_apex: calls: " + ("; ".join(calls) or "no apex component in this run") + seen]
+
+
 def write_metrics_file(output_dir: str | os.PathLike, data: dict) -> Path:
     """Write ``<output_dir>/hf_apex_metrics.json`` atomically (a crash never leaves half a file)."""
     path = Path(output_dir) / METRICS_FILENAME
