@@ -80,10 +80,13 @@ MODELS = {
         batch=128,
         eval_samples=512,
         # BF16: ~35 ms host-bound steps that slow down in bursts, and differ by up to 10 % from one process to the
-        # next: 3 runs of 100 steps each, interleaved with the other stages' (tests/test_bench.py). FP32: ~200 ms
-        # device-bound steady steps, one run of 30.
+        # next: 3 runs of 100 steps each, interleaved with the other stages' (tests/test_bench.py). `fastest`'s
+        # steps replay CUDA graphs and are device-bound: on an H200 its Trainer run and two plain loops took 26.52,
+        # 26.53 and 26.54 ms (benchmarks/h200-2026-12-01-cuda-graphs), so one run. FP32: ~200 ms device-bound steady
+        # steps, one run of 30.
         steps=100,
         repeats=3,
+        repeat_stages=("fused_full", "torch_fused", "compiled", "auto"),
         fp32_steps=30,
     ),
     "gpt2": {**_CAUSAL_LM, "model_type": "gpt2"},
