@@ -40,7 +40,7 @@ class StageConfig:
             would not pay). A default: a value of yours wins (see `OVERRIDABLE`).
         compile_recompute_pointwise: with `torch_compile`, `"true"`: the backward recomputes pointwise results that
             its matmuls read (a GELU's output) instead of keeping them from the forward: less activation memory for
-            a little time, the same maths; `"auto"`: so unless the loss runs without the logits
+            a little time, the same maths; `"auto"`: the same, except where the loss runs without the logits
             (`fused_linear_cross_entropy`). A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
