@@ -4,8 +4,9 @@
 stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`` is an
 :class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
 four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
-the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, pointwise results
-recomputed in the backward, a loss that never holds the logits and the SDPA backend timed fastest on your GPU, and
+the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and
+sin computed once per forward, pointwise results recomputed in the backward where the loss reads the logits, a loss
+that never holds the logits and the SDPA backend timed fastest on your GPU, and
 ``auto``, which times apex against torch on your GPU).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
@@ -42,6 +43,8 @@ class StageConfig:
             its matmuls read (a GELU's output) instead of keeping them from the forward: less activation memory for
             a little time, the same maths; `"auto"`: the same, except where the loss runs without the logits
             (`fused_linear_cross_entropy`). A default, as above.
+        compile_rotary_once: with `torch_compile`, a RoPE model's cos and sin are computed once per forward, not
+            inside every attention layer's compiled kernels (`hf_apex.kernels.rotary`); the same values.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -59,6 +62,7 @@ class StageConfig:
     fused_linear_cross_entropy: bool = False
     compile_min_steps: int | None = None
     compile_recompute_pointwise: str | None = None
+    compile_rotary_once: bool = False
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -94,8 +98,9 @@ STAGES: dict[str, StageConfig] = {
         ),
         StageConfig(
             "fastest",
-            "compiled with CUDA graphs and pointwise results recomputed in the backward + a causal LM's loss without "
-            "its logits + the fastest SDPA backend, timed on this GPU",
+            "compiled with CUDA graphs, RoPE's cos/sin once per forward and pointwise results recomputed where the "
+            "loss reads the logits + a causal LM's loss without its logits + the fastest SDPA backend, timed on this "
+            "GPU",
             **_TORCH_FUSED,
             torch_compile=True,
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
@@ -114,6 +119,7 @@ STAGES: dict[str, StageConfig] = {
             # logits-free loss at 0.31x and 0.35x of their baselines' memory without it, it cost 2.8 % and 1.9 %
             # (benchmarks/h200-2026-12-01-causal-steps, benchmarks/h200-2026-12-01-recompute)
             compile_recompute_pointwise="auto",
+            compile_rotary_once=True,
         ),
         StageConfig(
             "auto",

@@ -59,6 +59,7 @@ from .kernels.availability import blocker, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, is_fused, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
+from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
 from .training_args import ApexTrainingArguments, refuse_accumulation_under_cuda_graphs, uses_cuda_graphs
@@ -257,6 +258,7 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
+    rotary_once: int | None = None  # rotary embeddings whose cos/sin are computed once (compile_rotary_once)
     static_masks = False  # whether train() runs the model with SDPA masks decided on the host (STATIC_MASKS)
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
@@ -453,6 +455,11 @@ class ApexTrainer(Trainer):
     def _apply_model_switches(self, model: nn.Module) -> None:
         self.rewire_report = self.rewire_model(model)
         self.loss_fusion = self.fuse_loss(model)
+        if self.args.compile_rotary_once:
+            self.rotary_once = compute_rotary_once(model)
+        else:
+            restore_rotary(model)  # a model reused from a run that had it
+            self.rotary_once = None
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
@@ -567,6 +574,12 @@ class ApexTrainer(Trainer):
             )
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
+        if self.rotary_once is not None and self.args.torch_compile:
+            kernels["rotary_embedding"] = (
+                f"cos/sin computed once per compiled forward ({self.rotary_once} module(s), compile_rotary_once)"
+                if self.rotary_once
+                else "no rotary embedding in this model (compile_rotary_once)"
+            )
         if self.fp32_outputs_dropped:
             kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"
         elif not self.args.fp32_outputs and self._loss_reads_outputs() and (self.args.bf16 or self.args.fp16):

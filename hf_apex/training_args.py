@@ -63,7 +63,8 @@ class ApexTrainingArguments(TrainingArguments):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
             `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `fused_linear_cross_entropy`,
-            `compile_min_steps`, `compile_recompute_pointwise`, `attention_backend`, `tf32` and the AMP flags;
+            `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32`
+            and the AMP flags;
             setting any of them to something the stage contradicts raises `ValueError` (`torch_compile_mode`,
             `compile_min_steps`, `compile_recompute_pointwise` and `attention_backend` excepted: the stage's value
             is a default, and a mode on a stage that does not compile is an error). `fastest` compiles with CUDA
@@ -118,6 +119,12 @@ class ApexTrainingArguments(TrainingArguments):
             cost them time (2.8 % and 1.9 % of the step). `None` or `"false"`: torch's default (keep them). The
             `fastest` stage sets `"auto"`, which a value of yours overrides; `True` and `False` stand for `"true"`
             and `"false"`.
+        compile_rotary_once (`bool`, *optional*, defaults to `False`):
+            With `torch_compile`, for RoPE models (Llama, Mistral, Qwen...): the cos and sin of the rotary embedding
+            are computed once per forward into a buffer that every attention layer reads, instead of being
+            recomputed by the compiler inside each layer's rotation kernels, forward and backward
+            (`hf_apex.kernels.rotary`). The same values; other models are left as they are. The `fastest` stage
+            sets it.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -178,10 +185,10 @@ class ApexTrainingArguments(TrainingArguments):
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
     > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `compile_min_steps`,
-    > `compile_recompute_pointwise`, `attention_backend`, `tf32=False`); a value you set that the stage contradicts
-    > is a `ValueError`, except for `torch_compile_mode`, `compile_min_steps`, `compile_recompute_pointwise` and
-    > `attention_backend`, whose stage values are defaults. A compile mode or backend on a stage that does not
-    > compile is a `ValueError` too.
+    > `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32=False`); a value you set that
+    > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `compile_min_steps`,
+    > `compile_recompute_pointwise` and `attention_backend`, whose stage values are defaults. A compile mode or
+    > backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
     > a stage overrides it.
@@ -246,6 +253,13 @@ class ApexTrainingArguments(TrainingArguments):
             "true unless the causal-LM loss runs without logits (fused_linear_cross_entropy). None or false: torch's "
             "default (keep them). The fastest stage sets auto.",
             "choices": list(RECOMPUTE_CHOICES),
+        },
+    )
+    compile_rotary_once: bool = field(
+        default=False,
+        metadata={
+            "help": "With torch_compile, RoPE models: compute the rotary embedding's cos/sin once per forward instead "
+            "of inside every attention layer's compiled kernels (same values). The fastest stage sets it."
         },
     )
     fused_linear_cross_entropy: bool = field(
@@ -323,6 +337,11 @@ class ApexTrainingArguments(TrainingArguments):
                 f"compile_recompute_pointwise={self.compile_recompute_pointwise!r} sets what torch.compile's backward "
                 "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
                 "compiled, fastest), or drop it."
+            )
+        if self.compile_rotary_once and not self.torch_compile:
+            raise ValueError(
+                "compile_rotary_once=True changes what torch.compile generates, but torch_compile is off: turn "
+                "torch_compile on (or pick a stage that compiles: compiled, fastest), or drop it."
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")

@@ -6,11 +6,11 @@
 (without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
 shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR schedule and gradient
 clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16), `torch.compile`, masks (batches
-leave out an all-ones attention mask; SDPA masks decided on the host), loss (`--fused_linear_cross_entropy`) and
-SDPA backend (`--attention_backend`, decided on the first batch as the Trainer does); `zero_grad(set_to_none=True)`;
-pinned batches copied without blocking; the loss read on the host every `--logging_steps` steps. Step times are
-measured the same way as the Trainer's (whole cycles between step starts, CUDA events read at the end), and written
-with the losses to OUT.json.
+leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), loss
+(`--fused_linear_cross_entropy`) and SDPA backend (`--attention_backend`, decided on the first batch as the Trainer
+does); `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
+`--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between step starts,
+CUDA events read at the end), and written with the losses to OUT.json.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from hf_apex.kernels.attention import capture as capture_attention
 from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
+from hf_apex.kernels.rotary import compute_rotary_once
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
 from hf_apex.trainer import (
@@ -67,6 +68,8 @@ def main(out_json: str, argv: list[str]) -> dict:
         rewire(model, chooser=tuner.choose_norm if args.autotune else None, compiled=args.torch_compile)
     if args.fused_linear_cross_entropy:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
+    if args.compile_rotary_once:
+        compute_rotary_once(model)  # as ApexTrainer: a RoPE model's cos/sin once per compiled forward
     static = use_static_masks(model, args.drop_full_attention_mask)  # as ApexTrainer: SDPA masks decided on the host
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [

@@ -358,6 +358,24 @@ def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_n
     assert auto_says.startswith("keeps") and "without the logits" in auto_says
 
 
+def test_compile_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
+    model = tiny_model("llama").train()
+    switches = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=2)
+    ApexTrainer(
+        model=model,
+        args=train_args(tmp_path / "on", compile_rotary_once=True, **switches),
+        train_dataset=TokenDataset(),
+    ).train()
+    kernels = json.loads((tmp_path / "on" / METRICS_FILENAME).read_text())["kernels"]
+    assert kernels["rotary_embedding"].startswith("cos/sin computed once per compiled forward (1 module(s)")
+    assert "hf_apex" in repr(model.model.rotary_emb)
+    # A later trainer on the same model without the switch gives the rotary embedding its stock class back
+    ApexTrainer(model=model, args=train_args(tmp_path / "off", **switches), train_dataset=TokenDataset()).train()
+    assert "hf_apex" not in repr(model.model.rotary_emb)
+    assert "rotary_embedding" not in json.loads((tmp_path / "off" / METRICS_FILENAME).read_text())["kernels"]
+    torch._dynamo.reset()
+
+
 def test_plain_training_arguments_are_not_let_accumulate_under_cuda_graphs(tmp_path):
     # ApexTrainingArguments refuse it (tests/test_training_args.py); ApexTrainer refuses it of plain ones too
     plain = dict(use_cpu=True, report_to="none", torch_compile_mode="reduce-overhead", gradient_accumulation_steps=2)
