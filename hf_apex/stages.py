@@ -44,7 +44,8 @@ class StageConfig:
             a little time, the same maths; `"auto"`: the same, except where the loss runs without the logits
             (`fused_linear_cross_entropy`). A default, as above.
         compile_rotary_once: with `torch_compile`, a RoPE model's cos and sin are computed once per forward, not
-            inside every attention layer's compiled kernels (`hf_apex.kernels.rotary`); the same values.
+            inside every attention layer's compiled kernels (`hf_apex.kernels.rotary`); the same values. A default,
+            as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -62,12 +63,18 @@ class StageConfig:
     fused_linear_cross_entropy: bool = False
     compile_min_steps: int | None = None
     compile_recompute_pointwise: str | None = None
-    compile_rotary_once: bool = False
+    compile_rotary_once: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
     # not switches of the ladder but tuning: the stage's value is a default you may change
-    OVERRIDABLE = ("torch_compile_mode", "compile_min_steps", "compile_recompute_pointwise", "attention_backend")
+    OVERRIDABLE = (
+        "torch_compile_mode",
+        "compile_min_steps",
+        "compile_recompute_pointwise",
+        "compile_rotary_once",
+        "attention_backend",
+    )
 
     def settings(self) -> dict:
         """The arguments this stage sets, by name."""

@@ -66,7 +66,8 @@ class ApexTrainingArguments(TrainingArguments):
             `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32`
             and the AMP flags;
             setting any of them to something the stage contradicts raises `ValueError` (`torch_compile_mode`,
-            `compile_min_steps`, `compile_recompute_pointwise` and `attention_backend` excepted: the stage's value
+            `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once` and `attention_backend`
+            excepted: the stage's value
             is a default, and a mode on a stage that does not compile is an error). `fastest` compiles with CUDA
             graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not
             measured there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records
@@ -119,12 +120,12 @@ class ApexTrainingArguments(TrainingArguments):
             cost them time (2.8 % and 1.9 % of the step). `None` or `"false"`: torch's default (keep them). The
             `fastest` stage sets `"auto"`, which a value of yours overrides; `True` and `False` stand for `"true"`
             and `"false"`.
-        compile_rotary_once (`bool`, *optional*, defaults to `False`):
+        compile_rotary_once (`bool` or `None`, *optional*, defaults to `None`):
             With `torch_compile`, for RoPE models (Llama, Mistral, Qwen...): the cos and sin of the rotary embedding
             are computed once per forward into a buffer that every attention layer reads, instead of being
             recomputed by the compiler inside each layer's rotation kernels, forward and backward
-            (`hf_apex.kernels.rotary`). The same values; other models are left as they are. The `fastest` stage
-            sets it.
+            (`hf_apex.kernels.rotary`). The same values; other models are left as they are. `None`: off; the
+            `fastest` stage sets `True`, which `False` of yours overrides.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -187,8 +188,8 @@ class ApexTrainingArguments(TrainingArguments):
     > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `compile_min_steps`,
     > `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32=False`); a value you set that
     > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `compile_min_steps`,
-    > `compile_recompute_pointwise` and `attention_backend`, whose stage values are defaults. A compile mode or
-    > backend on a stage that does not compile is a `ValueError` too.
+    > `compile_recompute_pointwise`, `compile_rotary_once` and `attention_backend`, whose stage values are defaults.
+    > A compile mode or backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
     > a stage overrides it.
@@ -255,11 +256,12 @@ class ApexTrainingArguments(TrainingArguments):
             "choices": list(RECOMPUTE_CHOICES),
         },
     )
-    compile_rotary_once: bool = field(
-        default=False,
+    compile_rotary_once: bool | None = field(
+        default=None,
         metadata={
             "help": "With torch_compile, RoPE models: compute the rotary embedding's cos/sin once per forward instead "
-            "of inside every attention layer's compiled kernels (same values). The fastest stage sets it."
+            "of inside every attention layer's compiled kernels (same values). None: off. The fastest stage sets "
+            "True, which false of yours overrides."
         },
     )
     fused_linear_cross_entropy: bool = field(
