@@ -143,7 +143,7 @@ def partitioner_settings(args, model: nn.Module | None) -> dict:
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     wanted = args.compile_recompute_pointwise
-    if wanted == "true" or (wanted == "auto" and not (model is not None and is_fused(model))):
+    if wanted == "true" or (wanted == "auto" and (model is None or not is_fused(model))):
         return {"ban_recompute_materialized_backward": False}
     return {}
 
