@@ -5,7 +5,8 @@ An :class:`Autotuner` belongs to one ``ApexTrainer``. It decides once per run fo
 timing the forward and backward of the first training batch with each backend (:meth:`Autotuner.choose_norms`):
 under autocast apex's norms return the autocast dtype where torch's return FP32, so the matmuls after them cast
 less and the residual stream is half the bytes, which only a whole step shows (BERT-base 128 × 128 on an H200: a
-single LayerNorm is faster in torch, the step faster with apex). A norm that meets no such decision (``rewire``
+single LayerNorm is faster in torch, the step faster with apex). A long run then checks that choice on whole training
+steps (:class:`NormTrial`), where the host's share of a step shows. A norm that meets no such decision (``rewire``
 with a chooser, outside the trainer) is timed alone on its first training call (class, hidden size, input dtype,
 autocast dtype, token count). With ``attention_backend="fastest"`` it also chooses the SDPA backend of the model's
 attention (:meth:`Autotuner.choose_attention`, :func:`attention_probe`): PyTorch's own choice is the reference there,
@@ -26,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -39,12 +41,16 @@ from .kernels import attention, norms
 from .kernels.availability import environment
 from .kernels.norms import stock_class
 from .kernels.trace import APEX, TORCH
+from .measure.steps import StepTimer
 
 logger = logging.getLogger("hf_apex")
 
 AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
 STATE_FILE = "hf_apex_autotune.json"  # in each checkpoint: the decisions a resumed run must keep
 TIMING_ROUNDS = 3  # candidates are timed in turns, this many rounds each
+TRIAL_BLOCK = 4  # optimizer steps per block of the norms' trial on whole training steps (NormTrial)
+TRIAL_ORDER = (0, 1, 1, 0)  # its blocks: the passes' choice, the other backend, the other, the passes' choice
+TRIAL_MIN_STEPS = 64  # a run with fewer optimizer steps keeps the passes' choice (the trial would be too much of it)
 
 
 def default_cache_path() -> Path:
@@ -265,6 +271,54 @@ class DecisionCache:
             logger.warning("hf_apex: could not write the autotune cache %s (%s).", self.path, exc)
 
 
+class NormTrial:
+    """The norms' decision checked on whole training steps, after :meth:`Autotuner.choose_norms` timed forward and
+    backward alone.
+
+    Those passes measure the device well, but not the host work of the rest of a step (optimizer, clipping, the
+    Trainer's own), and where a step is host-bound that decides: on an H200, BERT-base 128 × 128's passes took 36.3 ms
+    with apex's norms and 40.4 ms with torch's, yet its training steps took 47–52 ms with apex's (host-bound) and
+    35–42 ms with torch's (``benchmarks/h200-2026-12-01-whole``). So the next optimizer steps run in blocks of
+    :data:`TRIAL_BLOCK`, the passes' choice and the other backend in turns (:data:`TRIAL_ORDER`), timed as the stage
+    metrics time steps (start to next start, CUDA events, one sync at the end). Each block's first step, the switch,
+    is left out; the backend with the lower median step stays for the rest of the run.
+    """
+
+    def __init__(self, key: dict, passes, modules: list, switch: Callable[[str], None], cuda: bool):
+        self.key, self.passes, self.modules, self.switch = key, passes, modules, switch
+        first = passes.backend
+        pair = (first, TORCH if first == APEX else APEX)
+        self.plan = [pair[i] for i in TRIAL_ORDER for _ in range(TRIAL_BLOCK)]
+        self.timer = StepTimer(cuda)
+        self._begun = 0  # planned steps started
+        self._step: int | None = None  # the optimizer step whose micro-batches run now
+
+    def begin(self, step: int) -> bool:
+        """A micro-batch of optimizer step ``step`` (the steps done before it) starts. True once every planned
+        step has run: the trial is ready to decide."""
+        if step == self._step:
+            return False  # another micro-batch of the same optimizer step
+        self._step = step
+        if self._begun:
+            self.timer.stop()
+        if self._begun == len(self.plan):
+            return True
+        backend = self.plan[self._begun]
+        if self._begun and backend != self.plan[self._begun - 1]:
+            self.switch(backend)
+        self._begun += 1
+        self.timer.start()
+        return False
+
+    def medians(self) -> dict[str, float]:
+        """Each backend's median step in milliseconds, each block's first step left out (one sync on a GPU)."""
+        kept: dict[str, list[float]] = {name: [] for name in dict.fromkeys(self.plan)}
+        for i, (backend, ms) in enumerate(zip(self.plan, self.timer.drain(final=True))):
+            if i % TRIAL_BLOCK:
+                kept[backend].append(ms)
+        return {name: statistics.median(times) for name, times in kept.items()}
+
+
 class Autotuner:
     """Chooses between backends by timing them; one per trainer, decisions reported per run.
 
@@ -288,27 +342,37 @@ class Autotuner:
         self.memo: dict[str, str] = dict(pinned or {})  # decision name -> backend, for this run
         self._pinned = set(self.memo)
         self._forced_norm: str | None = None  # the backend every norm takes while choose_norms times one
+        self.trial: NormTrial | None = None  # the norms' trial on whole steps, while it runs
 
     def state(self) -> dict[str, str]:
-        """The decisions a resumed run must keep (what :meth:`begin_run` takes back as ``pinned``)."""
-        return dict(self.memo)
+        """The decisions a resumed run must keep (what :meth:`begin_run` takes back as ``pinned``); during the
+        norms' trial, the passes' choice."""
+        return {**self.memo, **({"norms": self.trial.passes.backend} if self.trial else {})}
 
     def report(self) -> list[dict]:
         return [dataclasses.asdict(d) for d in self.decisions]
 
-    def choose(self, component: str, key: dict, prepare: Callable[[], tuple[dict, Callable]], same_on_all_ranks=False):
+    def choose(
+        self,
+        component: str,
+        key: dict,
+        prepare: Callable[[], tuple[dict, Callable]],
+        same_on_all_ranks=False,
+        keep: bool = True,
+    ):
         """Pick the faster backend for ``component`` at ``key``.
 
         ``prepare()`` is called only when the cache has no answer; it returns ``(candidates, parity)``:
         candidates map a backend name to one timed call (TORCH is the reference and always eligible), and
         ``parity(name)`` says whether a non-reference backend matches torch. With ``same_on_all_ranks`` rank 0
         decides and the other ranks take its decision (a collective: every rank must call it), as the optimizer
-        needs under DDP, where replicas that round their updates differently would drift apart.
+        needs under DDP, where replicas that round their updates differently would drift apart. ``keep=False``
+        leaves a timed decision out of the disk cache (a later step decides what goes there).
         """
         decision = None
         if not same_on_all_ranks or distributed.rank() == 0:
             try:
-                decision = self._decide(component, key, prepare)
+                decision = self._decide(component, key, prepare, keep)
             except Exception as exc:
                 if not (same_on_all_ranks and distributed.is_distributed()):
                     raise
@@ -330,8 +394,12 @@ class Autotuner:
         )
         return decision
 
-    def _decide(self, component: str, key: dict, prepare) -> Decision:
-        parts = {"component": component, **environment_key(), **key}
+    @staticmethod
+    def _cache_parts(component: str, key: dict) -> dict:
+        return {"component": component, **environment_key(), **key}
+
+    def _decide(self, component: str, key: dict, prepare, keep: bool = True) -> Decision:
+        parts = self._cache_parts(component, key)
         hit = self.cache.get(parts)
         if hit is not None and hit.get("backend") in (APEX, TORCH, *attention.BACKENDS):
             return Decision(
@@ -360,7 +428,7 @@ class Autotuner:
         times = {name: min(ms) for name, ms in rounds.items() if name not in out_of_memory}
         backend = min(times, key=times.get)
         reason = "faster" if len(times) > 1 else f"{out_of_memory[0]}: out of memory" if out_of_memory else "parity"
-        if not out_of_memory:  # memory depends on what else the process holds: not for the cache
+        if keep and not out_of_memory:  # memory depends on what else the process holds: not for the cache
             self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
         return Decision(component, key, backend, times, parity_ok, reason=reason)
 
@@ -464,12 +532,17 @@ class Autotuner:
         run_step: Callable[[], None],
         batch_shape: tuple[int, ...],
         amp: torch.dtype | None,
+        trial: bool = False,
     ) -> str | None:
         """apex or torch for every swapped norm of ``model``, by timing ``run_step`` (forward and backward of a
         real batch of ``batch_shape`` under autocast ``amp``; it must leave the parameters' ``.grad`` alone, see
         :func:`training_pass`) with each backend, in turns. apex is eligible only where each norm type's kernel
         matches torch's op on that type's own input in the batch. Rank 0 decides for all ranks; the others do not
         run ``run_step``. Returns the backend, or None when the model has no swapped norm.
+
+        With ``trial`` (a run of at least :data:`TRIAL_MIN_STEPS` steps), when both backends were timed, the
+        training steps that follow check the choice (:class:`NormTrial`; the caller calls :meth:`at_step` at each
+        micro-batch), and only their verdict goes into the disk cache.
         """
         swapped = [m for m in model.modules() if norms.is_swapped(m)]
         if not swapped:
@@ -493,6 +566,7 @@ class Autotuner:
             "norms": sorted({stock_class(m).__name__ for m in swapped}),
             "batch": list(batch_shape),
             "autocast": str(amp),
+            "decided_on": "whole steps" if trial else "passes",
         }
 
         def prepare():
@@ -525,11 +599,49 @@ class Autotuner:
 
             return {backend: (lambda backend=backend: run(backend)) for backend in (APEX, TORCH)}, parity
 
-        backend = self.choose("norms", key, prepare, same_on_all_ranks=True).backend
+        passes = self.choose("norms", key, prepare, same_on_all_ranks=True, keep=not trial)
         for m in swapped:
             m.hf_apex_reset()  # the timing's routes and counts go; the next call takes the decision
+        self.memo["norms"] = passes.backend
+        if trial and not passes.cached and len(passes.times_ms) == 2:
+            self.trial = NormTrial(
+                key, passes, swapped, functools.partial(self._use_norms, swapped), device.type == "cuda"
+            )
+        return passes.backend
+
+    def _use_norms(self, swapped: list, backend: str) -> None:
         self.memo["norms"] = backend
-        return backend
+        for m in swapped:
+            m.hf_apex_reroute()  # the next call takes ``backend``; the calls so far stay counted
+
+    def at_step(self, step: int) -> None:
+        """A training micro-batch starts, ``step`` optimizer steps into the run: the norms' trial switches backends
+        at its blocks' edges and decides once its steps have run (under DDP rank 0 decides: a collective, so every
+        rank calls this at every micro-batch)."""
+        if self.trial is None or not self.trial.begin(step):
+            return
+        trial, self.trial = self.trial, None
+        medians = trial.medians()
+        backend = distributed.broadcast_object(min(medians, key=medians.get))
+        self._use_norms(trial.modules, backend)
+        reason = f"whole steps: median of {(TRIAL_BLOCK - 1) * TRIAL_ORDER.count(0)} each, after the passes"
+        decision = Decision("norms", trial.key, backend, medians, trial.passes.parity_ok, reason=reason)
+        self.decisions.append(decision)
+        entry = {"backend": backend, "times_ms": medians, "parity_ok": decision.parity_ok}
+        self.cache.put(self._cache_parts("norms", trial.key), {**entry, "passes_ms": trial.passes.times_ms})
+        logger.info(
+            "hf_apex autotune: norms on whole steps -> %s (ms per step %s; the passes had chosen %s)",
+            backend,
+            {k: round(v, 3) for k, v in medians.items()},
+            trial.passes.backend,
+        )
+
+    def end_run(self) -> None:
+        """Training stopped: a trial that has not finished gives way to the passes' choice, which nothing caches."""
+        trial, self.trial = self.trial, None
+        if trial is not None:
+            self._use_norms(trial.modules, trial.passes.backend)
+            logger.info("hf_apex autotune: the norms' trial on whole steps did not finish; the passes' choice stays.")
 
     def choose_norm(self, module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> str:
         """apex or torch for this norm: the whole model's decision when :meth:`choose_norms` made one; else timed

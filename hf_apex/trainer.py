@@ -21,7 +21,8 @@ other partitioner settings, see :func:`compile_under_own_settings`), ``training_
 without ``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`;
 compiled, under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's first step leaves
 accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the
-model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`; and
+model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`, and
+in a long run checks that choice on the whole steps that follow, see :class:`~hf_apex.autotune.NormTrial`; and
 names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
 ``create_optimizer`` (under a compile mode that records CUDA graphs, each optimizer step marks the start of the next,
 see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under
@@ -52,7 +53,7 @@ from torch.utils._pytree import tree_map_only
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .autotune import STATE_FILE, Autotuner, DecisionCache, training_pass
+from .autotune import STATE_FILE, TRIAL_MIN_STEPS, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
@@ -331,6 +332,8 @@ class ApexTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
+            if self.autotuner is not None:
+                self.autotuner.end_run()
             if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)
                 use_static_masks(self.model, on=False)
 
@@ -367,6 +370,8 @@ class ApexTrainer(Trainer):
                 self.accelerator.unwrap_model(self.model, keep_torch_compile=False),  # (FSDP1: self.model wraps it)
                 fp32=self.args.fp32_outputs or self._loss_reads_outputs(),
             )
+        if self.autotuner is not None:
+            self.autotuner.at_step(self.state.global_step)  # (the norms' trial on whole steps, while it runs)
         if self._norms_to_tune:
             self._norms_to_tune = False
             self._choose_norms(self._prepare_inputs(inputs))
@@ -404,7 +409,8 @@ class ApexTrainer(Trainer):
         main = getattr(raw, "main_input_name", "input_ids")
         shape = next((tuple(v.shape) for k, v in inputs.items() if k == main and torch.is_tensor(v)), ())
         amp = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
-        self.autotuner.choose_norms(raw, training_pass(raw, loss_fn), shape, amp)
+        long_run = self.state.max_steps - self.state.global_step >= TRIAL_MIN_STEPS  # worth checking on whole steps
+        self.autotuner.choose_norms(raw, training_pass(raw, loss_fn), shape, amp, trial=long_run)
 
     def _choose_attention(self, inputs: dict) -> str:
         """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""

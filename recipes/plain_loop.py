@@ -25,7 +25,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
-from hf_apex.autotune import Autotuner, DecisionCache, training_pass
+from hf_apex.autotune import TRIAL_MIN_STEPS, Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.attention import capture as capture_attention
 from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
@@ -120,7 +120,9 @@ def main(out_json: str, argv: list[str]) -> dict:
 
     if args.autotune and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: timed on whole passes
         shape = tuple(first[model.main_input_name].shape)
-        tuner.choose_norms(model, training_pass(model, loss_fn), shape, amp if args.bf16 or args.fp16 else None)
+        autocast_dtype = amp if args.bf16 or args.fp16 else None
+        trial = steps >= TRIAL_MIN_STEPS  # as ApexTrainer: a long run checks the choice on whole steps
+        tuner.choose_norms(model, training_pass(model, loss_fn), shape, autocast_dtype, trial=trial)
     attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
     if attention == "fastest":
         attention = tuner.choose_attention(capture_attention(loss_fn))
@@ -128,6 +130,8 @@ def main(out_json: str, argv: list[str]) -> dict:
     graphs = uses_cuda_graphs(args)  # as ApexTrainer: each step's start marked for the CUDA graphs
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        if tuner is not None and step > 1:  # as ApexTrainer: the norms' trial from the step after the passes'
+            tuner.at_step(step - 1)
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -150,6 +154,8 @@ def main(out_json: str, argv: list[str]) -> dict:
         losses.append(loss.detach().clone() if graphs else loss.detach())  # (a graph output: replays reuse it)
         if step % args.logging_steps == 0:
             float(loss.detach())  # the Trainer reads the loss when it logs; so does this loop
+    if tuner is not None:
+        tuner.end_run()
     ms = timer.drain(final=True)
     result = {
         "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),

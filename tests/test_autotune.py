@@ -5,6 +5,7 @@ injected; the norm and optimizer paths run for real on CPU with torch stand-ins 
 import dataclasses
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -320,6 +321,77 @@ def test_auto_decides_the_norms_on_whole_training_steps(fake_apex, tmp_path, mon
     counts = trace.calls_since(trace.collect(trainer.model), {})["layer_norm"]
     other = "torch" if chosen == "apex" else "apex"
     assert counts[chosen] == 3 * n_norms and counts.get(other, 0) == counts["fallback"] == 0  # the 3 steps only
+
+
+def _slow(forward):
+    def run(*args):
+        time.sleep(0.004)  # per norm call: slower on the host, as apex's path is on a host-bound BERT step
+        return forward(*args)
+
+    return run
+
+
+@pytest.mark.parametrize("slow", [APEX, TORCH])
+def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path, monkeypatch, slow):
+    """The passes (timed forward + backward) pick one backend; the training steps that follow are slower with it,
+    which the trial measures on the steps themselves, so the other backend trains the rest of the run, and the disk
+    cache keeps that verdict for the next run."""
+    fake_apex(_slow(_correct) if slow == APEX else _correct)
+    if slow == TORCH:
+        monkeypatch.setattr(torch.nn.LayerNorm, "forward", _slow(torch.nn.LayerNorm.forward))
+    faster = TORCH if slow == APEX else APEX
+    fix_timings(monkeypatch, {slow: 1.0, faster: 2.0})  # the passes say the slow one is faster
+    steps = autotune.TRIAL_MIN_STEPS
+
+    def run(name):
+        args = auto_args(tmp_path / name, max_steps=steps)
+        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.train()
+        return trainer, json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+
+    trainer, metrics = run("first")
+    norm_decisions = [d for d in metrics["autotune"] if d["component"] == "norms"]
+    assert [(d["backend"], d["cached"]) for d in norm_decisions] == [(slow, False), (faster, False)]
+    assert norm_decisions[1]["reason"].startswith("whole steps") and set(norm_decisions[1]["times_ms"]) == {
+        APEX,
+        TORCH,
+    }
+    assert norm_decisions[1]["times_ms"][slow] > norm_decisions[1]["times_ms"][faster]
+    # Step 1 (the passes' step) and the trial's first and last blocks ran the passes' choice, its middle two the
+    # other; the rest of the run the trial's verdict. Every call is counted, none lost in the switches.
+    n_norms = sum(1 for m in trainer.model.modules() if norms.is_swapped(m))
+    with_slow = 1 + 2 * autotune.TRIAL_BLOCK
+    counts = metrics["kernels"]["calls"]["layer_norm"]
+    assert counts[slow] == with_slow * n_norms and counts[faster] == (steps - with_slow) * n_norms
+    assert "kernel=" + faster in repr(trainer.model)  # print(model) shows what runs now
+
+    _, again = run("second")  # the cache holds the whole steps' verdict: no passes, no trial
+    assert [(d["backend"], d["cached"]) for d in again["autotune"] if d["component"] == "norms"] == [(faster, True)]
+    assert again["kernels"]["calls"]["layer_norm"][faster] == steps * n_norms
+
+
+def test_a_run_that_stops_during_the_trial_keeps_the_passes_choice(fake_apex, tmp_path, monkeypatch):
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
+
+    class StopAt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 7  # inside the trial's torch blocks
+
+    args = auto_args(tmp_path / "stop", max_steps=autotune.TRIAL_MIN_STEPS)
+    trainer = ApexTrainer(
+        model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset(), callbacks=[StopAt()]
+    )
+    trainer.train()
+    assert trainer.state.global_step == 7 and trainer.autotuner.trial is None
+    assert [d.backend for d in trainer.autotuner.decisions if d.component == "norms"] == [APEX]
+    assert trainer.autotuner.memo["norms"] == APEX and "kernel=apex" in repr(trainer.model)
+    assert [e["key"]["component"] for e in _cache(tmp_path).values()] == ["optimizer"]  # nothing on the norms
+
+
+def _cache(tmp_path) -> dict:
+    path = tmp_path / "cache.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def test_the_norm_timing_leaves_training_untouched(fake_apex, tmp_path, monkeypatch):

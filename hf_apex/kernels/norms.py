@@ -166,13 +166,20 @@ class _ApexNorm:
     def hf_apex_reset(self) -> None:
         """Forget the routes (and their counts): the next call decides again."""
         self.hf_apex_routes = {}
+        self.hf_apex_retired = []
+
+    def hf_apex_reroute(self) -> None:
+        """Decide the routes again at the next call, keeping the counts of the calls made so far (autotune's
+        trial on whole steps switches backends during training)."""
+        self.hf_apex_retired += self.hf_apex_routes.values()
+        self.hf_apex_routes = {}
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
         return f"{own}, kernel={self._hf_apex_describe()}" if own else f"kernel={self._hf_apex_describe()}"
 
     def _hf_apex_describe(self) -> str:
-        taken = [r for r in self.hf_apex_routes.values() if r.calls]
+        taken = [r for r in self.hf_apex_routes.values() if r.calls]  # what runs now (a trial's routes: retired)
         if taken:
             return ", ".join(sorted({("torch fallback" if r.backend == FALLBACK else r.backend) for r in taken}))
         weight = next(self.parameters(), None)
@@ -185,12 +192,14 @@ class _ApexNorm:
 
     # Pickle as "this stock class, swapped": loads wherever hf_apex imports, whatever the class is called.
     def __reduce_ex__(self, protocol):
-        state = {k: v for k, v in self.__dict__.items() if k not in ("hf_apex_routes", "hf_apex_chooser")}
+        state = {
+            k: v for k, v in self.__dict__.items() if k not in ("hf_apex_routes", "hf_apex_retired", "hf_apex_chooser")
+        }
         return _rebuild, (stock_class(self), _kind(type(self))), state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.hf_apex_routes = {}
+        self.hf_apex_reset()
 
 
 class _LayerNormKernel(_ApexNorm):

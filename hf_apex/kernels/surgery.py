@@ -210,7 +210,7 @@ def unrewire(model: nn.Module) -> int:
         cls = stock_class(module)
         if cls is not None:
             module.__class__ = cls
-            for name in ("hf_apex_strict", "hf_apex_chooser", "hf_apex_compiled", "hf_apex_routes"):
+            for name in ("hf_apex_strict", "hf_apex_chooser", "hf_apex_compiled", "hf_apex_routes", "hf_apex_retired"):
                 module.__dict__.pop(name, None)
             restored += 1
     return restored

@@ -39,6 +39,7 @@ def routes(model: torch.nn.Module | None = None, optimizer=None) -> Iterable[Ker
     if model is not None:
         for module in model.modules():
             yield from getattr(module, "hf_apex_routes", {}).values()
+            yield from getattr(module, "hf_apex_retired", ())  # routes an autotune trial switched away from
     inner = getattr(optimizer, "optimizer", optimizer)
     route = getattr(inner, "hf_apex_route", None)
     if route is not None:
