@@ -51,6 +51,7 @@ TIMING_ROUNDS = 3  # candidates are timed in turns, this many rounds each
 TRIAL_BLOCK = 4  # optimizer steps per block of the norms' trial on whole training steps (NormTrial)
 TRIAL_ORDER = (0, 1, 1, 0)  # its blocks: the passes' choice, the other backend, the other, the passes' choice
 TRIAL_MIN_STEPS = 64  # a run with fewer optimizer steps keeps the passes' choice (the trial would be too much of it)
+TRIAL_STEPS = TRIAL_BLOCK * len(TRIAL_ORDER)
 
 
 def default_cache_path() -> Path:
@@ -288,7 +289,7 @@ class NormTrial:
         self.key, self.passes, self.modules, self.switch = key, passes, modules, switch
         first = passes.backend
         pair = (first, TORCH if first == APEX else APEX)
-        self.plan = [pair[i] for i in TRIAL_ORDER for _ in range(TRIAL_BLOCK)]
+        self.plan = [pair[i] for i in TRIAL_ORDER for _ in range(TRIAL_BLOCK)]  # TRIAL_STEPS long
         self.timer = StepTimer(cuda)
         self._begun = 0  # planned steps started
         self._step: int | None = None  # the optimizer step whose micro-batches run now

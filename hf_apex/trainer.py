@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_map_only
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .autotune import STATE_FILE, TRIAL_MIN_STEPS, Autotuner, DecisionCache, training_pass
+from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_STEPS, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
@@ -411,6 +411,11 @@ class ApexTrainer(Trainer):
         amp = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
         long_run = self.state.max_steps - self.state.global_step >= TRIAL_MIN_STEPS  # worth checking on whole steps
         self.autotuner.choose_norms(raw, training_pass(raw, loss_fn), shape, amp, trial=long_run)
+        if self.autotuner.trial is not None and self.stage_metrics is not None:
+            # The trial's steps are warm-up, and so is the step after them: the profiled one, which then proves
+            # the kernels of the verdict. (This step is the run's first; the trial takes the next TRIAL_STEPS.)
+            metrics = self.stage_metrics
+            metrics.warmup_steps = max(metrics.warmup_steps, TRIAL_STEPS + 2)
 
     def _choose_attention(self, inputs: dict) -> str:
         """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""

@@ -25,7 +25,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
-from hf_apex.autotune import TRIAL_MIN_STEPS, Autotuner, DecisionCache, training_pass
+from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_STEPS, Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.attention import capture as capture_attention
 from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
@@ -123,6 +123,9 @@ def main(out_json: str, argv: list[str]) -> dict:
         autocast_dtype = amp if args.bf16 or args.fp16 else None
         trial = steps >= TRIAL_MIN_STEPS  # as ApexTrainer: a long run checks the choice on whole steps
         tuner.choose_norms(model, training_pass(model, loss_fn), shape, autocast_dtype, trial=trial)
+    warmup = args.metrics_warmup_steps  # as ApexTrainer: a trial's steps, and the one after them, are warm-up
+    if tuner is not None and tuner.trial is not None:
+        warmup = max(warmup, TRIAL_STEPS + 2)
     attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
     if attention == "fastest":
         attention = tuner.choose_attention(capture_attention(loss_fn))
@@ -158,9 +161,9 @@ def main(out_json: str, argv: list[str]) -> dict:
         tuner.end_run()
     ms = timer.drain(final=True)
     result = {
-        "step_time_ms": percentiles(ms[args.metrics_warmup_steps :] or ms),
+        "step_time_ms": percentiles(ms[warmup:] or ms),
         "steps_ms": [round(m, 4) for m in ms],
-        "warmup_steps": args.metrics_warmup_steps,
+        "warmup_steps": warmup,
         "peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": [float(v) for v in losses],
         "torch_compile_mode": compile_mode(args),  # as the Trainer's metrics

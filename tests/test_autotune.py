@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
 from hf_apex.kernels import norms, optim, trace
 from hf_apex.kernels.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
+from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 from tests.testing_utils import TokenDataset, tiny_model
 
 
@@ -364,10 +366,37 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     counts = metrics["kernels"]["calls"]["layer_norm"]
     assert counts[slow] == with_slow * n_norms and counts[faster] == (steps - with_slow) * n_norms
     assert "kernel=" + faster in repr(trainer.model)  # print(model) shows what runs now
+    # The trial's steps and the one after it (profiled) are warm-up: the timed steps all ran the verdict.
+    assert metrics["run"]["warmup_steps"] == autotune.TRIAL_STEPS + 2
 
     _, again = run("second")  # the cache holds the whole steps' verdict: no passes, no trial
     assert [(d["backend"], d["cached"]) for d in again["autotune"] if d["component"] == "norms"] == [(faster, True)]
     assert again["kernels"]["calls"]["layer_norm"][faster] == steps * n_norms
+    assert again["run"]["warmup_steps"] == 1  # no trial: the run's own warm-up
+
+
+def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
+    fake_apex,
+    generated_data,  # noqa: F811
+    word_tokenizer,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "recipes"))
+    import bench
+    import plain_loop
+
+    fake_apex(_slow(_correct))
+    fix_timings(monkeypatch, {APEX: 1.0, TORCH: 2.0})  # the passes say apex; its steps are slower
+    steps = autotune.TRIAL_MIN_STEPS
+    opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", str(steps - 1), "--warmup", "1"])
+    flags = bench.finetune_args("gpt2", "auto", opts, tmp_path / "run", nproc=1)
+    flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
+    flags += ["--autotune_cache", str(tmp_path / "cache.json"), "--bf16", "false"]
+    result = plain_loop.main(str(tmp_path / "plain.json"), flags)
+    assert len(result["steps_ms"]) == steps and result["warmup_steps"] == autotune.TRIAL_STEPS + 2
+    (verdict,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
+    assert verdict["key"]["decided_on"] == "whole steps" and verdict["backend"] == TORCH
 
 
 def test_a_run_that_stops_during_the_trial_keeps_the_passes_choice(fake_apex, tmp_path, monkeypatch):
