@@ -149,7 +149,9 @@ class ApexTrainingArguments(TrainingArguments):
             Attach `StageMetricsCallback`: per-step time, tokens/s, MFU, peak memory and kernel counts in the
             logs, and a run summary in `<output_dir>/hf_apex_metrics.json`.
         metrics_warmup_steps (`int`, *optional*, defaults to `5`):
-            Optimizer steps left out of the timing summary (compilation, allocator and cuBLAS warm-up).
+            Optimizer steps left out of the timing summary (compilation, allocator and cuBLAS warm-up). With
+            `autotune`, a run whose norms are checked on whole steps leaves those steps out too, and the one after
+            them: 18 steps at least (`hf_apex.autotune.NormTrial`).
         peak_tflops (`float` or `None`, *optional*, defaults to `None`):
             Peak dense TFLOP/s used for MFU; `None` looks the GPU up in `hf_apex.measure.flops.PEAK_TFLOPS`.
         profile_kernels (`bool`, *optional*, defaults to `True`):
@@ -287,7 +289,10 @@ class ApexTrainingArguments(TrainingArguments):
         default=True, metadata={"help": "Record per-step stage metrics and write <output_dir>/hf_apex_metrics.json."}
     )
     metrics_warmup_steps: int = field(
-        default=5, metadata={"help": "Optimizer steps excluded from the timing summary."}
+        default=5,
+        metadata={
+            "help": "Optimizer steps excluded from the timing summary (with auto's trial on whole steps: 18 at least)."
+        },
     )
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Peak dense TFLOP/s for MFU (default: looked up from the GPU name)."}
