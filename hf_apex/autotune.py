@@ -285,14 +285,22 @@ class NormTrial:
     is left out; the backend with the lower median step stays for the rest of the run.
     """
 
-    def __init__(self, key: dict, passes, modules: list, switch: Callable[[str], None], cuda: bool):
+    def __init__(
+        self, key: dict, passes, modules: list, switch: Callable[[str], None], cuda: bool, after: int | None = None
+    ):
         self.key, self.passes, self.modules, self.switch = key, passes, modules, switch
         first = passes.backend
         pair = (first, TORCH if first == APEX else APEX)
         self.plan = [pair[i] for i in TRIAL_ORDER for _ in range(TRIAL_BLOCK)]  # TRIAL_STEPS long
         self.timer = StepTimer(cuda)
         self._begun = 0  # planned steps started
-        self._step: int | None = None  # the optimizer step whose micro-batches run now
+        self._step = after  # the optimizer step whose micro-batches run now (the passes' step, to begin with)
+        self._dropped: set[int] = set()  # planned steps during which something else ran (evaluation, a save)
+
+    def interrupt(self) -> None:
+        """Something that is not training runs now (evaluation, a checkpoint): the step in progress is left out."""
+        if self._begun:
+            self._dropped.add(self._begun - 1)
 
     def begin(self, step: int) -> bool:
         """A micro-batch of optimizer step ``step`` (the steps done before it) starts. True once every planned
@@ -312,12 +320,13 @@ class NormTrial:
         return False
 
     def medians(self) -> dict[str, float]:
-        """Each backend's median step in milliseconds, each block's first step left out (one sync on a GPU)."""
+        """Each backend's median step in milliseconds, each block's first step and interrupted steps left out (one
+        sync on a GPU). A backend left with no step is left out."""
         kept: dict[str, list[float]] = {name: [] for name in dict.fromkeys(self.plan)}
         for i, (backend, ms) in enumerate(zip(self.plan, self.timer.drain(final=True))):
-            if i % TRIAL_BLOCK:
+            if i % TRIAL_BLOCK and i not in self._dropped:
                 kept[backend].append(ms)
-        return {name: statistics.median(times) for name, times in kept.items()}
+        return {name: statistics.median(times) for name, times in kept.items() if times}
 
 
 class Autotuner:
@@ -344,6 +353,7 @@ class Autotuner:
         self._pinned = set(self.memo)
         self._forced_norm: str | None = None  # the backend every norm takes while choose_norms times one
         self.trial: NormTrial | None = None  # the norms' trial on whole steps, while it runs
+        self._step: int | None = None  # the optimizer step of the last at_step call
 
     def state(self) -> dict[str, str]:
         """The decisions a resumed run must keep (what :meth:`begin_run` takes back as ``pinned``); during the
@@ -359,7 +369,7 @@ class Autotuner:
         key: dict,
         prepare: Callable[[], tuple[dict, Callable]],
         same_on_all_ranks=False,
-        keep: bool = True,
+        checked_later: bool = False,
     ):
         """Pick the faster backend for ``component`` at ``key``.
 
@@ -367,13 +377,14 @@ class Autotuner:
         candidates map a backend name to one timed call (TORCH is the reference and always eligible), and
         ``parity(name)`` says whether a non-reference backend matches torch. With ``same_on_all_ranks`` rank 0
         decides and the other ranks take its decision (a collective: every rank must call it), as the optimizer
-        needs under DDP, where replicas that round their updates differently would drift apart. ``keep=False``
-        leaves a timed decision out of the disk cache (a later step decides what goes there).
+        needs under DDP, where replicas that round their updates differently would drift apart. With
+        ``checked_later``, a choice between two timed backends stays out of the disk cache: a later check (the
+        norms' trial on whole steps) caches its own verdict.
         """
         decision = None
         if not same_on_all_ranks or distributed.rank() == 0:
             try:
-                decision = self._decide(component, key, prepare, keep)
+                decision = self._decide(component, key, prepare, checked_later)
             except Exception as exc:
                 if not (same_on_all_ranks and distributed.is_distributed()):
                     raise
@@ -399,7 +410,7 @@ class Autotuner:
     def _cache_parts(component: str, key: dict) -> dict:
         return {"component": component, **environment_key(), **key}
 
-    def _decide(self, component: str, key: dict, prepare, keep: bool = True) -> Decision:
+    def _decide(self, component: str, key: dict, prepare, checked_later: bool = False) -> Decision:
         parts = self._cache_parts(component, key)
         hit = self.cache.get(parts)
         if hit is not None and hit.get("backend") in (APEX, TORCH, *attention.BACKENDS):
@@ -429,7 +440,7 @@ class Autotuner:
         times = {name: min(ms) for name, ms in rounds.items() if name not in out_of_memory}
         backend = min(times, key=times.get)
         reason = "faster" if len(times) > 1 else f"{out_of_memory[0]}: out of memory" if out_of_memory else "parity"
-        if keep and not out_of_memory:  # memory depends on what else the process holds: not for the cache
+        if not out_of_memory and not (checked_later and len(times) > 1):  # (memory: what else the process holds)
             self.cache.put(parts, {"backend": backend, "times_ms": times, "parity_ok": parity_ok})
         return Decision(component, key, backend, times, parity_ok, reason=reason)
 
@@ -600,14 +611,13 @@ class Autotuner:
 
             return {backend: (lambda backend=backend: run(backend)) for backend in (APEX, TORCH)}, parity
 
-        passes = self.choose("norms", key, prepare, same_on_all_ranks=True, keep=not trial)
+        passes = self.choose("norms", key, prepare, same_on_all_ranks=True, checked_later=trial)
         for m in swapped:
             m.hf_apex_reset()  # the timing's routes and counts go; the next call takes the decision
         self.memo["norms"] = passes.backend
         if trial and not passes.cached and len(passes.times_ms) == 2:
-            self.trial = NormTrial(
-                key, passes, swapped, functools.partial(self._use_norms, swapped), device.type == "cuda"
-            )
+            switch = functools.partial(self._use_norms, swapped)
+            self.trial = NormTrial(key, passes, swapped, switch, device.type == "cuda", after=self._step)
         return passes.backend
 
     def _use_norms(self, swapped: list, backend: str) -> None:
@@ -619,23 +629,33 @@ class Autotuner:
         """A training micro-batch starts, ``step`` optimizer steps into the run: the norms' trial switches backends
         at its blocks' edges and decides once its steps have run (under DDP rank 0 decides: a collective, so every
         rank calls this at every micro-batch)."""
+        self._step = step
         if self.trial is None or not self.trial.begin(step):
             return
         trial, self.trial = self.trial, None
         medians = trial.medians()
-        backend = distributed.broadcast_object(min(medians, key=medians.get))
+        both = len(medians) == 2  # (else evaluation or saving took every step of a backend)
+        backend = distributed.broadcast_object(min(medians, key=medians.get) if both else trial.passes.backend)
         self._use_norms(trial.modules, backend)
-        reason = f"whole steps: median of {(TRIAL_BLOCK - 1) * TRIAL_ORDER.count(0)} each, after the passes"
+        reason = "whole steps: the median step of each, after the passes"
+        if not both:
+            reason = "whole steps: too few uninterrupted steps, the passes' choice stays"
         decision = Decision("norms", trial.key, backend, medians, trial.passes.parity_ok, reason=reason)
         self.decisions.append(decision)
-        entry = {"backend": backend, "times_ms": medians, "parity_ok": decision.parity_ok}
-        self.cache.put(self._cache_parts("norms", trial.key), {**entry, "passes_ms": trial.passes.times_ms})
+        if both:
+            entry = {"backend": backend, "times_ms": medians, "parity_ok": decision.parity_ok}
+            self.cache.put(self._cache_parts("norms", trial.key), {**entry, "passes_ms": trial.passes.times_ms})
         logger.info(
             "hf_apex autotune: norms on whole steps -> %s (ms per step %s; the passes had chosen %s)",
             backend,
             {k: round(v, 3) for k, v in medians.items()},
             trial.passes.backend,
         )
+
+    def interrupt(self) -> None:
+        """Evaluation or a checkpoint runs between training steps: the norms' trial leaves that step out."""
+        if self.trial is not None:
+            self.trial.interrupt()
 
     def end_run(self) -> None:
         """Training stopped: a trial that has not finished gives way to the passes' choice, which nothing caches."""

@@ -27,7 +27,8 @@ names ``--ddp_find_unused_parameters true`` when DDP stops on an unused paramete
 ``create_optimizer`` (under a compile mode that records CUDA graphs, each optimizer step marks the start of the next,
 see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under
 CUDA graphs, it keeps a copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires
-each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint), ``floating_point_ops``
+each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint) and ``evaluate`` (both
+leave their step out of autotune's trial on whole steps), ``floating_point_ops``
 (counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging
 window; local, no collective). With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode
 with CUDA graphs gets the step marks and the logits' copies it needs, and is refused with gradient accumulation.
@@ -414,8 +415,7 @@ class ApexTrainer(Trainer):
         if self.autotuner.trial is not None and self.stage_metrics is not None:
             # The trial's steps are warm-up, and so is the step after them: the profiled one, which then proves
             # the kernels of the verdict. (This step is the run's first; the trial takes the next TRIAL_STEPS.)
-            metrics = self.stage_metrics
-            metrics.warmup_steps = max(metrics.warmup_steps, TRIAL_STEPS + 2)
+            self.stage_metrics.hold_warmup(TRIAL_STEPS + 2)
 
     def _choose_attention(self, inputs: dict) -> str:
         """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""
@@ -429,6 +429,11 @@ class ApexTrainer(Trainer):
                 self.compute_loss(raw, dict(inputs))
 
         return self.autotuner.choose_attention(capture_attention(forward))
+
+    def evaluate(self, *args, **kwargs):
+        if self.autotuner is not None:
+            self.autotuner.interrupt()  # (an evaluation inside the norms' trial on whole steps is not a training step)
+        return super().evaluate(*args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         with preferring(self.sdpa_backend), one_sequence_per_row(self._one_sequence_per_row(inputs)):
@@ -530,6 +535,8 @@ class ApexTrainer(Trainer):
     # A resumed run must rebuild the optimizer whose state it loads: keep this run's decisions with the checkpoint
     # (written first, so that a checkpoint pushed to the Hub carries them too).
     def _save_checkpoint(self, model, trial):
+        if self.autotuner is not None:
+            self.autotuner.interrupt()  # (a save inside the norms' trial on whole steps is not a training step)
         if self.autotuner is not None and self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"

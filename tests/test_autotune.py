@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from hf_apex import ApexTrainer, ApexTrainingArguments, autotune, rewire
+from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback, autotune, rewire
 from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
 from hf_apex.kernels import norms, optim, trace
 from hf_apex.kernels.optim import FusedAdamFallback
@@ -327,14 +328,14 @@ def test_auto_decides_the_norms_on_whole_training_steps(fake_apex, tmp_path, mon
 
 def _slow(forward):
     def run(*args):
-        time.sleep(0.004)  # per norm call: slower on the host, as apex's path is on a host-bound BERT step
+        time.sleep(0.01)  # per norm call: slower on the host, as apex's path is on a host-bound BERT step
         return forward(*args)
 
     return run
 
 
-@pytest.mark.parametrize("slow", [APEX, TORCH])
-def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path, monkeypatch, slow):
+@pytest.mark.parametrize("slow, accumulation", [(APEX, 1), (TORCH, 1), (APEX, 2)])
+def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path, monkeypatch, slow, accumulation):
     """The passes (timed forward + backward) pick one backend; the training steps that follow are slower with it,
     which the trial measures on the steps themselves, so the other backend trains the rest of the run, and the disk
     cache keeps that verdict for the next run."""
@@ -345,8 +346,8 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     fix_timings(monkeypatch, {slow: 1.0, faster: 2.0})  # the passes say the slow one is faster
     steps = autotune.TRIAL_MIN_STEPS
 
-    def run(name):
-        args = auto_args(tmp_path / name, max_steps=steps)
+    def run(name):  # (FP32: a CPU's BF16 autocast would drown the stand-in's slowness)
+        args = auto_args(tmp_path / name, max_steps=steps, bf16=False, gradient_accumulation_steps=accumulation)
         trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
         trainer.train()
         return trainer, json.loads((tmp_path / name / METRICS_FILENAME).read_text())
@@ -354,25 +355,72 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     trainer, metrics = run("first")
     norm_decisions = [d for d in metrics["autotune"] if d["component"] == "norms"]
     assert [(d["backend"], d["cached"]) for d in norm_decisions] == [(slow, False), (faster, False)]
-    assert norm_decisions[1]["reason"].startswith("whole steps") and set(norm_decisions[1]["times_ms"]) == {
-        APEX,
-        TORCH,
-    }
-    assert norm_decisions[1]["times_ms"][slow] > norm_decisions[1]["times_ms"][faster]
+    steps_decision = norm_decisions[1]
+    assert steps_decision["reason"].startswith("whole steps") and set(steps_decision["times_ms"]) == {APEX, TORCH}
+    assert steps_decision["times_ms"][slow] > steps_decision["times_ms"][faster]
     # Step 1 (the passes' step) and the trial's first and last blocks ran the passes' choice, its middle two the
     # other; the rest of the run the trial's verdict. Every call is counted, none lost in the switches.
     n_norms = sum(1 for m in trainer.model.modules() if norms.is_swapped(m))
     with_slow = 1 + 2 * autotune.TRIAL_BLOCK
     counts = metrics["kernels"]["calls"]["layer_norm"]
-    assert counts[slow] == with_slow * n_norms and counts[faster] == (steps - with_slow) * n_norms
+    per_step = n_norms * accumulation
+    assert counts[slow] == with_slow * per_step and counts[faster] == (steps - with_slow) * per_step
     assert "kernel=" + faster in repr(trainer.model)  # print(model) shows what runs now
     # The trial's steps and the one after it (profiled) are warm-up: the timed steps all ran the verdict.
     assert metrics["run"]["warmup_steps"] == autotune.TRIAL_STEPS + 2
 
     _, again = run("second")  # the cache holds the whole steps' verdict: no passes, no trial
     assert [(d["backend"], d["cached"]) for d in again["autotune"] if d["component"] == "norms"] == [(faster, True)]
-    assert again["kernels"]["calls"]["layer_norm"][faster] == steps * n_norms
+    assert again["kernels"]["calls"]["layer_norm"][faster] == steps * per_step
     assert again["run"]["warmup_steps"] == 1  # no trial: the run's own warm-up
+
+
+class _FixedSteps:
+    """A StepTimer for NormTrial whose steps take the milliseconds given, in order."""
+
+    def __init__(self, ms):
+        self.ms, self.starts = ms, 0
+
+    def start(self):
+        self.starts += 1
+
+    def stop(self):
+        pass
+
+    def drain(self, final=False):
+        return self.ms[: self.starts]
+
+
+def test_the_trial_leaves_out_each_switch_and_every_interrupted_step():
+    switched = []
+    passes = autotune.Decision("norms", {}, APEX, {APEX: 1.0, TORCH: 2.0})
+    trial = autotune.NormTrial({}, passes, [], switched.append, cuda=False, after=0)
+    assert trial.plan == [APEX] * 4 + [TORCH] * 8 + [APEX] * 4  # A B B A, blocks of TRIAL_BLOCK
+    # apex's steps take 10 ms, torch's 12, each block's first (the switch) 50, and the three torch steps during which
+    # an evaluation ran 100
+    ms = [50.0 if i % 4 == 0 else (10.0 if b == APEX else 12.0) for i, b in enumerate(trial.plan)]
+    ms[5] = ms[6] = ms[7] = 100.0
+    trial.timer = _FixedSteps(ms)
+    assert not trial.begin(0)  # another micro-batch of the passes' step: nothing starts
+    for step in range(1, len(trial.plan) + 1):
+        assert not trial.begin(step) and not trial.begin(step)  # (a second micro-batch of the same step)
+        if step in (6, 7, 8):
+            trial.interrupt()
+    assert trial.begin(len(trial.plan) + 1)  # every planned step ran: ready to decide
+    assert switched == [TORCH, APEX]  # at the two edges where the backend changes
+    assert trial.medians() == {APEX: 10.0, TORCH: 12.0}
+    trial._dropped = set(range(4, 12))  # had every torch step been interrupted, torch would have none left
+    assert trial.medians() == {APEX: 10.0}
+
+
+def test_a_held_warm_up_lasts_one_run():
+    callback = StageMetricsCallback(warmup_steps=3)
+    args = types.SimpleNamespace(device=torch.device("cpu"), stage=None)
+    callback.on_train_begin(args, None, None)
+    callback.hold_warmup(autotune.TRIAL_STEPS + 2)  # a trial started in this run
+    assert callback._profiled_index() == autotune.TRIAL_STEPS + 2
+    callback.on_train_begin(args, None, None)  # the next run of the same trainer: its own warm-up again
+    assert callback._profiled_index() == 3
 
 
 def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
@@ -414,7 +462,9 @@ def test_a_run_that_stops_during_the_trial_keeps_the_passes_choice(fake_apex, tm
     trainer.train()
     assert trainer.state.global_step == 7 and trainer.autotuner.trial is None
     assert [d.backend for d in trainer.autotuner.decisions if d.component == "norms"] == [APEX]
-    assert trainer.autotuner.memo["norms"] == APEX and "kernel=apex" in repr(trainer.model)
+    assert trainer.autotuner.memo["norms"] == APEX
+    trainer.model(input_ids=TokenDataset()[0]["input_ids"][None])  # the next call takes the passes' choice
+    assert "kernel=apex)" in repr(trainer.model) and "torch" not in repr(trainer.model)
     assert [e["key"]["component"] for e in _cache(tmp_path).values()] == ["optimizer"]  # nothing on the norms
 
 
@@ -493,7 +543,6 @@ def test_a_failure_on_rank_0_stops_every_rank(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     worker = Path(__file__).with_name("autotune_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]

@@ -67,6 +67,7 @@ class StageMetricsCallback(TrainerCallback):
         self._shape: dict = {}
         self._started: float | None = None
         self._startup_s: float | None = None
+        self._warmup_floor = 0  # this run's warm-up lasts this long at least (hold_warmup)
         self.kernels_verified: dict | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -143,10 +144,20 @@ class StageMetricsCallback(TrainerCallback):
             self._profile.close()
         self._profile = None
 
+    def hold_warmup(self, steps: int) -> None:
+        """This run's warm-up lasts ``steps`` at least (autotune's trial on whole steps). A profile already running
+        is dropped, so that the run's last warm-up step is the one profiled."""
+        self._warmup_floor = steps
+        if self._profile is not None and self._index < self._warmup():
+            self._close_profile()
+
     # -- reading -------------------------------------------------------------------------------------------
+    def _warmup(self) -> int:
+        return max(self.warmup_steps, self._warmup_floor)
+
     def _profiled_index(self) -> int:
         # Profile the last warm-up step of this train() call: it is excluded from the timings anyway.
-        return max(self.warmup_steps, 1)
+        return max(self._warmup(), 1)
 
     def _flush(self, final: bool = False) -> None:
         """Read the finished steps (one sync), merge the ranks, and append them to the run and the window. The
@@ -197,7 +208,7 @@ class StageMetricsCallback(TrainerCallback):
     def summary(self, args, state) -> dict:
         """The run summary written to the metrics JSON."""
         profiled = self._profiled_index() if self.kernels_verified is not None else None
-        timed = [r for r in self.steps if r.index > self.warmup_steps and r.index != profiled]
+        timed = [r for r in self.steps if r.index > self._warmup() and r.index != profiled]
         if not timed and self.steps:
             logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(self.steps))
             timed = [r for r in self.steps if r.index != profiled] or self.steps
