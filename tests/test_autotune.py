@@ -501,6 +501,17 @@ def test_a_wrong_norm_kernel_loses_the_whole_step_parity(fake_apex, tmp_path, mo
     assert (decision["component"], decision["backend"], decision["parity_ok"]["apex"]) == ("norms", "torch", False)
 
 
+def test_a_long_run_whose_passes_leave_one_backend_caches_it_without_a_trial(fake_apex, tmp_path, monkeypatch):
+    fake_apex(_wrong)  # apex fails parity: only torch is timed, so there is nothing for whole steps to check
+    fix_timings(monkeypatch, {"apex": 0.1, "torch": 2.0})
+    args = auto_args(tmp_path / "w", max_steps=autotune.TRIAL_MIN_STEPS, bf16=False)
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert [d.backend for d in trainer.autotuner.decisions if d.component == "norms"] == [TORCH]
+    (entry,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
+    assert entry["backend"] == TORCH and entry["key"]["decided_on"] == "whole steps"
+
+
 def _wrong_at_32(m, x):  # right for one hidden size, wrong for another
     y = F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
     return 2 * y if x.shape[-1] == 32 else y
