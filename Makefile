@@ -10,7 +10,7 @@ APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
 PYTEST_ARGS ?=
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
-# recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 30; BERT's
+# recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 20; BERT's
 # BF16 stages: 3 runs of 100; GPT-2's and Llama's fused_full, torch_fused and auto: 3 runs), BERT 128x128,
 # GPT-2/Llama 16x1024. CPU: tiny bert and gpt2 x the seed's four stages.
 BENCH_MODELS ?=
