@@ -186,9 +186,11 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
     _graphs_compiled_under = settings
 
 
-def _keep_fp32_strict() -> None:
-    # transformers' tf32=False sets only torch's global FP32 precision, which a backend-level TF32 switch made
-    # earlier in the process overrides (accelerate turns it on for torch.compile in FP32): set the backends too.
+def keep_fp32_strict() -> None:
+    """FP32 matmuls and convolutions without TF32, set on the backends (what a run with ``tf32=False`` starts with).
+
+    transformers' ``tf32=False`` sets only torch's global FP32 precision, which a backend-level TF32 switch made
+    earlier in the process overrides (accelerate turns it on for torch.compile in FP32)."""
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -318,7 +320,7 @@ class ApexTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         if isinstance(self.args, ApexTrainingArguments):
             if self.args.tf32 is False:
-                _keep_fp32_strict()
+                keep_fp32_strict()
             if self.autotuner is not None:
                 self.autotuner.begin_run(pinned=self._checkpoint_decisions(resume_from_checkpoint))
             if self.model_init is None and self.model is not None:

@@ -37,6 +37,7 @@ from hf_apex.trainer import (
     DropFullAttentionMask,
     compiled_backward_settings,
     drops_full_attention_mask,
+    keep_fp32_strict,
     too_short_to_compile,
 )
 from hf_apex.training_args import uses_cuda_graphs
@@ -50,6 +51,8 @@ def main(out_json: str, argv: list[str]) -> dict:
             "plain_loop.py: needs --max_steps > 0 and --gradient_accumulation_steps 1 (what make bench runs)"
         )
     set_seed(args.seed)
+    if args.tf32 is False:  # as ApexTrainer.train (on torch.compile the setting is part of the graphs' cache key)
+        keep_fp32_strict()
     tokenizer = finetune.load_tokenizer(script_args)
     model = finetune.load_model(script_args, tokenizer)
     prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2
