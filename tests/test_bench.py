@@ -702,7 +702,6 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
     generated_data,  # noqa: F811
     word_tokenizer,  # noqa: F811
     tmp_path,
-    monkeypatch,
 ):
     """ApexTrainer.train sets the backends' FP32 precision when tf32=False; a plain loop that did not ran its matmuls
     under another setting, and under torch.compile compiled graphs the Trainer run had cached under another key."""
@@ -712,6 +711,10 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
     flags = bench.finetune_args("gpt2", "baseline", opts, tmp_path / "run", nproc=1)
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
-    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "none")  # (put back after the test)
-    plain_loop.main(str(tmp_path / "plain.json"), flags)
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    matmul = torch.backends.cuda.matmul  # (its settings go through __getattr__: monkeypatch cannot put them back)
+    before, matmul.fp32_precision = matmul.fp32_precision, "none"
+    try:
+        plain_loop.main(str(tmp_path / "plain.json"), flags)
+        assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = before
