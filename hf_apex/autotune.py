@@ -52,6 +52,7 @@ TRIAL_BLOCK = 4  # optimizer steps per block of the norms' trial on whole traini
 TRIAL_ORDER = (0, 1, 1, 0)  # its blocks: the passes' choice, the other backend, the other, the passes' choice
 TRIAL_MIN_STEPS = 64  # a run with fewer optimizer steps keeps the passes' choice (the trial would be too much of it)
 TRIAL_STEPS = TRIAL_BLOCK * len(TRIAL_ORDER)
+TRIAL_WARMUP = TRIAL_STEPS + 2  # warm-up of a run with a trial: the passes' step, the trial's, the profiled one after
 
 
 def default_cache_path() -> Path:
@@ -285,10 +286,8 @@ class NormTrial:
     is left out; the backend with the lower median step stays for the rest of the run.
     """
 
-    def __init__(
-        self, key: dict, passes, modules: list, switch: Callable[[str], None], cuda: bool, after: int | None = None
-    ):
-        self.key, self.passes, self.modules, self.switch = key, passes, modules, switch
+    def __init__(self, key: dict, passes, switch: Callable[[str], None], cuda: bool, after: int | None = None):
+        self.key, self.passes, self.switch = key, passes, switch
         first = passes.backend
         pair = (first, TORCH if first == APEX else APEX)
         self.plan = [pair[i] for i in TRIAL_ORDER for _ in range(TRIAL_BLOCK)]  # TRIAL_STEPS long
@@ -617,7 +616,7 @@ class Autotuner:
         self.memo["norms"] = passes.backend
         if trial and not passes.cached and len(passes.times_ms) == 2:
             switch = functools.partial(self._use_norms, swapped)
-            self.trial = NormTrial(key, passes, swapped, switch, device.type == "cuda", after=self._step)
+            self.trial = NormTrial(key, passes, switch, device.type == "cuda", after=self._step)
         return passes.backend
 
     def _use_norms(self, swapped: list, backend: str) -> None:
@@ -636,7 +635,7 @@ class Autotuner:
         medians = trial.medians()
         both = len(medians) == 2  # (else evaluation or saving took every step of a backend)
         backend = distributed.broadcast_object(min(medians, key=medians.get) if both else trial.passes.backend)
-        self._use_norms(trial.modules, backend)
+        trial.switch(backend)
         reason = "whole steps: the median step of each, after the passes"
         if not both:
             reason = "whole steps: too few uninterrupted steps, the passes' choice stays"
@@ -661,7 +660,7 @@ class Autotuner:
         """Training stopped: a trial that has not finished gives way to the passes' choice, which nothing caches."""
         trial, self.trial = self.trial, None
         if trial is not None:
-            self._use_norms(trial.modules, trial.passes.backend)
+            trial.switch(trial.passes.backend)
             logger.info("hf_apex autotune: the norms' trial on whole steps did not finish; the passes' choice stays.")
 
     def choose_norm(self, module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> str:

@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_map_only
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_STEPS, Autotuner, DecisionCache, training_pass
+from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, fix_for
@@ -417,7 +417,7 @@ class ApexTrainer(Trainer):
         if self.autotuner.trial is not None and self.stage_metrics is not None:
             # The trial's steps are warm-up, and so is the step after them: the profiled one, which then proves
             # the kernels of the verdict. (This step is the run's first; the trial takes the next TRIAL_STEPS.)
-            self.stage_metrics.hold_warmup(TRIAL_STEPS + 2)
+            self.stage_metrics.hold_warmup(TRIAL_WARMUP)
 
     def _choose_attention(self, inputs: dict) -> str:
         """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""

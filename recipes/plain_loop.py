@@ -25,7 +25,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 
 from hf_apex import ApexTrainingArguments, rewire
-from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_STEPS, Autotuner, DecisionCache, training_pass
+from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
 from hf_apex.kernels.attention import capture as capture_attention
 from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
@@ -128,7 +128,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         tuner.choose_norms(model, training_pass(model, loss_fn), shape, autocast_dtype, trial=trial)
     warmup = args.metrics_warmup_steps  # as ApexTrainer: a trial's steps, and the one after them, are warm-up
     if tuner is not None and tuner.trial is not None:
-        warmup = max(warmup, TRIAL_STEPS + 2)
+        warmup = max(warmup, TRIAL_WARMUP)
     attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
     if attention == "fastest":
         attention = tuner.choose_attention(capture_attention(loss_fn))

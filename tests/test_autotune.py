@@ -367,7 +367,7 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     assert counts[slow] == with_slow * per_step and counts[faster] == (steps - with_slow) * per_step
     assert "kernel=" + faster in repr(trainer.model)  # print(model) shows what runs now
     # The trial's steps and the one after it (profiled) are warm-up: the timed steps all ran the verdict.
-    assert metrics["run"]["warmup_steps"] == autotune.TRIAL_STEPS + 2
+    assert metrics["run"]["warmup_steps"] == autotune.TRIAL_WARMUP
 
     _, again = run("second")  # the cache holds the whole steps' verdict: no passes, no trial
     assert [(d["backend"], d["cached"]) for d in again["autotune"] if d["component"] == "norms"] == [(faster, True)]
@@ -394,7 +394,7 @@ class _FixedSteps:
 def test_the_trial_leaves_out_each_switch_and_every_interrupted_step():
     switched = []
     passes = autotune.Decision("norms", {}, APEX, {APEX: 1.0, TORCH: 2.0})
-    trial = autotune.NormTrial({}, passes, [], switched.append, cuda=False, after=0)
+    trial = autotune.NormTrial({}, passes, switched.append, cuda=False, after=0)
     assert trial.plan == [APEX] * 4 + [TORCH] * 8 + [APEX] * 4  # A B B A, blocks of TRIAL_BLOCK
     # apex's steps take 10 ms, torch's 12, each block's first (the switch) 50, and the three torch steps during which
     # an evaluation ran 100
@@ -417,8 +417,8 @@ def test_a_held_warm_up_lasts_one_run():
     callback = StageMetricsCallback(warmup_steps=3)
     args = types.SimpleNamespace(device=torch.device("cpu"), stage=None)
     callback.on_train_begin(args, None, None)
-    callback.hold_warmup(autotune.TRIAL_STEPS + 2)  # a trial started in this run
-    assert callback._profiled_index() == autotune.TRIAL_STEPS + 2
+    callback.hold_warmup(autotune.TRIAL_WARMUP)  # a trial started in this run
+    assert callback._profiled_index() == autotune.TRIAL_WARMUP
     callback.on_train_begin(args, None, None)  # the next run of the same trainer: its own warm-up again
     assert callback._profiled_index() == 3
 
@@ -442,7 +442,7 @@ def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     flags += ["--autotune_cache", str(tmp_path / "cache.json"), "--bf16", "false"]
     result = plain_loop.main(str(tmp_path / "plain.json"), flags)
-    assert len(result["steps_ms"]) == steps and result["warmup_steps"] == autotune.TRIAL_STEPS + 2
+    assert len(result["steps_ms"]) == steps and result["warmup_steps"] == autotune.TRIAL_WARMUP
     (verdict,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
     assert verdict["key"]["decided_on"] == "whole steps" and verdict["backend"] == TORCH
 
