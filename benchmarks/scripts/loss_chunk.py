@@ -1,19 +1,20 @@
-"""The logits-free loss alone, compiled, against a rewrite of its chunk: where its time goes and what that saves.
+"""The logits-free loss alone, compiled, against another way of writing its chunk: where its time goes.
 
 usage: python benchmarks/scripts/loss_chunk.py [--out FILE.json] [--positions 16384] [--hidden 768] [--vocab 50257]
        (on a CPU, `--positions 256 --hidden 32 --vocab 1000 --steps 2` checks that the variants agree, nothing more)
 
-On an H200 GPT-2's `fastest` step spent 2.3 ms in the loss's softmax reduction kernel (8 chunks of 2,048 x 50,304,
-about 2.2 TB/s if it reads the logits twice and writes their gradient once) and more in the kernels around it
-(benchmarks/h200-2026-12-01-recompute). Each variant runs `hf_apex.kernels.loss.LinearCrossEntropy`'s maths under
-torch.compile, forward and backward, at the bench's shape in BF16:
+Each variant runs `hf_apex.kernels.loss.LinearCrossEntropy`'s maths under torch.compile, forward and backward, at
+the bench's shape in BF16:
 
-- `current`: hf_apex's own (`causal_lm_loss`);
-- `pointwise`: the gradient of each chunk written as one pointwise expression of the logits (softmax minus the
-  one-hot target, as a comparison with the column index), without the in-place updates and the scatter.
+- `current`: hf_apex's own (`causal_lm_loss`). Under torch.compile each chunk's gradient is one pointwise expression
+  of the logits (softmax minus the one-hot target, as a comparison with the column index);
+- `scatter`: the chunk's gradient as hf_apex wrote it until 2026-12-02, and still does in eager: the softmax in place,
+  then the target's column lowered by a scatter (an indexed in-place update).
 
-(A second rewrite, the head's weight gradient accumulated in FP32 by the matmul itself, `torch.addmm(...,
-out_dtype=torch.float32)`, was dropped: Inductor cannot lower `addmm` with `out_dtype` on torch 2.13.)
+On an H200 (benchmarks/h200-2026-12-02-bert-trial) the pointwise chunk took 8.34 ms per forward + backward at this
+shape against the scatter's 9.71, with the same loss and gradients to the last bit; hf_apex then took it.
+(A third way, the head's weight gradient accumulated in FP32 by the matmul itself, `torch.addmm(..., out_dtype=
+torch.float32)`, was dropped: Inductor cannot lower `addmm` with `out_dtype` on torch 2.13.)
 
 For each it prints the median time of a forward + backward over `--steps` calls (CUDA events), the kernels of one
 call with their time (torch.profiler), and how far its loss and gradients are from `current`'s.
@@ -31,8 +32,8 @@ sys.path.insert(0, ".")
 from hf_apex.kernels import loss as L  # noqa: E402
 
 
-def pointwise_forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, grad_hidden, grad_weight):
-    """LinearCrossEntropy's forward with each chunk's gradient written as one pointwise expression (same maths)."""
+def scatter_forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, grad_hidden, grad_weight):
+    """LinearCrossEntropy's forward with each chunk's gradient made in place and a scatter (same maths)."""
     dtype = amp or hidden.dtype
     vocab = weight.shape[0]
     h = hidden.to(dtype)
@@ -40,19 +41,20 @@ def pointwise_forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, 
     chunks = 1
     while chunks * L.CHUNK_ELEMENTS < h.shape[0] * w.shape[0]:
         chunks *= 2
-    cols = torch.arange(w.shape[0], device=h.device)
     grad_h = []
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
+        logits = (hc @ w.T).float()
+        logits[:, vocab:] = float("-inf")
+        lse = torch.logsumexp(logits, dim=-1)
         valid = yc != ignore_index
         target = yc.where(valid, 0)
-        x = (hc @ w.T).float().masked_fill(cols >= vocab, float("-inf"))
-        lse = torch.logsumexp(x, dim=-1)
-        picked = x.gather(1, target[:, None]).squeeze(1)
-        onehot = (cols == target[:, None]).to(torch.float32)
-        g = (((x - lse[:, None]).exp() - onehot) * valid[:, None]).to(dtype)
+        picked = logits.gather(1, target[:, None]).squeeze(1)
         total += torch.where(valid, lse - picked, 0.0).sum()
+        probs = logits.sub_(lse[:, None]).exp_()
+        probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
+        g = probs.mul_(valid[:, None]).to(dtype)
         grad_h.append((g @ w).float())
         grad_w += (g.T @ hc).float()
     divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
@@ -63,9 +65,7 @@ def pointwise_forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, 
 
 VARIANTS = {
     "current": L.LinearCrossEntropy,
-    "pointwise": type(
-        "LinearCrossEntropyPointwise", (L.LinearCrossEntropy,), {"forward": staticmethod(pointwise_forward)}
-    ),
+    "scatter": type("LinearCrossEntropyScatter", (L.LinearCrossEntropy,), {"forward": staticmethod(scatter_forward)}),
 }
 
 

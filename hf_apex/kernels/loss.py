@@ -54,22 +54,34 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = [] if grad_hidden else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grad_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        compiled = torch.compiler.is_compiling()
+        cols = torch.arange(w.shape[0], device=h.device) if compiled else None
         for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
             logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
-            logits[:, vocab:] = float("-inf")  # the padding rows take no part in the softmax
+            # the padding rows take no part in the softmax
+            if compiled:
+                logits = logits.masked_fill(cols >= vocab, float("-inf"))
+            else:
+                logits[:, vocab:] = float("-inf")
             lse = torch.logsumexp(logits, dim=-1)
             valid = yc != ignore_index
             target = yc.where(valid, 0)
             picked = logits.gather(1, target[:, None]).squeeze(1)
             total += torch.where(valid, lse - picked, 0.0).sum()
-            if grad_hidden or grad_weight:  # d loss / d logits = softmax - one_hot(target), where a target counts
+            if not (grad_hidden or grad_weight):
+                continue
+            # d loss / d logits = softmax - one_hot(target), where a target counts
+            if compiled:  # one pointwise expression, which Inductor fuses into the softmax's kernel (no scatter)
+                onehot = (cols == target[:, None]).to(torch.float32)
+                g = (((logits - lse[:, None]).exp() - onehot) * valid[:, None]).to(dtype)
+            else:  # in place: eager holds no second chunk-sized buffer
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
                 g = probs.mul_(valid[:, None]).to(dtype)
-                if grad_hidden:
-                    grad_h.append((g @ w).float())
-                if grad_weight:
-                    grad_w += (g.T @ hc).float()
+            if grad_hidden:
+                grad_h.append((g @ w).float())
+            if grad_weight:
+                grad_w += (g.T @ hc).float()
         divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
         if grad_hidden or grad_weight:
             ctx.save_for_backward(
