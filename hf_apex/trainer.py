@@ -29,9 +29,11 @@ see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, a
 CUDA graphs, it keeps a copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires
 each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint) and ``evaluate`` (both
 leave their step out of autotune's trial on whole steps), ``floating_point_ops``
-(counts the parameters once, not on every micro-batch) and ``log`` (merges the stage metrics of the current logging
-window; local, no collective). With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode
-with CUDA graphs gets the step marks and the logits' copies it needs, and is refused with gradient accumulation.
+(counts the parameters once, not on every micro-batch), ``_maybe_log_save_evaluate`` (on one process, a logging step's
+loss and gradient norm are copied to the host without blocking and logged at the end of the next step, see
+:class:`HostCopy`) and ``log`` (merges the stage metrics of the current logging window; local, no collective).
+With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode with CUDA graphs gets the step
+marks and the logits' copies it needs, and is refused with gradient accumulation.
 """
 
 from __future__ import annotations
@@ -256,6 +258,37 @@ def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 
 
+class HostCopy:
+    """Values copied to the host without blocking; :meth:`get` waits for the copy alone, not for work queued since.
+
+    ApexTrainer reads a logging step's loss and gradient norm this way, at the end of the next step. Read at once,
+    as the stock Trainer reads them, they make the host wait for the device, which then idles while the host logs
+    and starts the next step: on an H200 the logging step and the one after it each took 1.5-2 ms more
+    (benchmarks/h200-2026-12-02-bert-trial). Read a step later, they are the same values, and the step they belong to
+    has finished while the next one is queued behind it.
+    """
+
+    def __init__(self, *values):
+        self.values = [self._to_host(v) if torch.is_tensor(v) else v for v in values]
+        self.event = None
+        if any(torch.is_tensor(v) and v.is_cuda for v in values):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    @staticmethod
+    def _to_host(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach()
+        if not value.is_cuda:
+            return value.clone()
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        return host.copy_(value, non_blocking=True)
+
+    def get(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values
+
+
 class ApexTrainer(Trainer):
     """A ``Trainer`` that applies the apex switches of :class:`ApexTrainingArguments` (see module docstring)."""
 
@@ -266,6 +299,7 @@ class ApexTrainer(Trainer):
     static_masks = False  # whether train() runs the model with SDPA masks decided on the host (STATIC_MASKS)
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
+    _deferred_log: tuple | None = None  # a logging step's (HostCopy, state, arguments): logged after the next step
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
     _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
     _outputs_to_set = False  # the next training step first sets the model's output dtype (fp32_outputs)
@@ -335,6 +369,7 @@ class ApexTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
+            self._log_deferred()  # (a run that stopped between a logging step and the next keeps its log)
             if self.autotuner is not None:
                 self.autotuner.end_run()
             if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)
@@ -625,8 +660,49 @@ class ApexTrainer(Trainer):
             "broadcast_buffers": ddp.broadcast_buffers,
         }
 
+    # A logging step's loss and gradient norm are read on the host at the end of the next step (HostCopy): no
+    # host-device sync at a logging step. Not where an evaluation, a save or the end of training follows at once
+    # (they log first), across processes (the loss is gathered with a collective) or under the NaN/Inf filter.
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        self._log_deferred()
+        if self._defers_log():
+            state = self.state
+            at = state.global_step, state.epoch, state.num_input_tokens_seen
+            self._deferred_log = HostCopy(tr_loss, grad_norm), at, args, kwargs
+            tr_loss -= tr_loss  # as the stock log resets it (on the device, after the copy)
+            return  # (no evaluation or save is due at this step: _defers_log)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _defers_log(self) -> bool:
+        c = self.control
+        return (
+            isinstance(self.args, ApexTrainingArguments)
+            and c.should_log
+            and self.state.global_step > self._globalstep_last_logged
+            and not (c.should_evaluate or c.should_save or c.should_training_stop or c.should_epoch_stop)
+            and self.args.world_size == 1
+            and not self.args.logging_nan_inf_filter
+        )
+
+    def _log_deferred(self) -> None:
+        """Log the deferred logging step as the stock Trainer would have logged it then."""
+        pending, self._deferred_log = self._deferred_log, None
+        if pending is None:
+            return
+        copy, at, args, kwargs = pending
+        state, control = self.state, self.control
+        now = state.global_step, state.epoch, state.num_input_tokens_seen
+        flags = control.should_log, control.should_evaluate, control.should_save
+        state.global_step, state.epoch, state.num_input_tokens_seen = at
+        control.should_log, control.should_evaluate, control.should_save = True, False, False
+        try:
+            super()._maybe_log_save_evaluate(*copy.get(), *args, **kwargs)
+        finally:
+            state.global_step, state.epoch, state.num_input_tokens_seen = now
+            self.control.should_log, self.control.should_evaluate, self.control.should_save = flags
+
     # Merge the stage metrics into the logs before Trainer.log copies them to log_history and the integrations.
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self.stage_metrics is not None and "loss" in logs:
-            logs.update(self.stage_metrics.pop_log_metrics())
+            logs.update(self.stage_metrics.pop_log_metrics(self.state.global_step))
         super().log(logs, *args, **kwargs)

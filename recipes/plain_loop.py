@@ -9,8 +9,8 @@ clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16
 leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), loss
 (`--fused_linear_cross_entropy`) and SDPA backend (`--attention_backend`, decided on the first batch as the Trainer
 does); `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
-`--logging_steps` steps. Step times are measured the same way as the Trainer's (whole cycles between step starts,
-CUDA events read at the end), and written with the losses to OUT.json.
+`--logging_steps` steps, at the end of the step after (as ApexTrainer). Step times are measured the same way as the
+Trainer's (whole cycles between step starts, CUDA events read at the end), and written with the losses to OUT.json.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
 from hf_apex.trainer import (
     DropFullAttentionMask,
+    HostCopy,
     compiled_backward_settings,
     drops_full_attention_mask,
     keep_fp32_strict,
@@ -132,7 +133,7 @@ def main(out_json: str, argv: list[str]) -> dict:
     attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
     if attention == "fastest":
         attention = tuner.choose_attention(capture_attention(loss_fn))
-    timer, losses = StepTimer(cuda), []
+    timer, losses, logged = StepTimer(cuda), [], None
     graphs = uses_cuda_graphs(args)  # as ApexTrainer: each step's start marked for the CUDA graphs
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
@@ -158,8 +159,15 @@ def main(out_json: str, argv: list[str]) -> dict:
         model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
         timer.stop()
         losses.append(loss.detach().clone() if graphs else loss.detach())  # (a graph output: replays reuse it)
+        # The Trainer reads the loss when it logs; so does this loop, as ApexTrainer does: a logging step's loss
+        # copied to the host and read at the end of the next step, the last step's at once.
+        if logged is not None:
+            float(logged.get()[0])
+            logged = None
         if step % args.logging_steps == 0:
-            float(loss.detach())  # the Trainer reads the loss when it logs; so does this loop
+            logged = HostCopy(loss)
+            if step == steps:
+                float(logged.get()[0])
     if tuner is not None:
         tuner.end_run()
     ms = timer.drain(final=True)

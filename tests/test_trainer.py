@@ -481,6 +481,60 @@ def test_the_training_loop_does_not_sync_per_micro_batch(tmp_path, monkeypatch):
     assert len(counted) == 1
 
 
+class Order(TrainerCallback):
+    """Notes when each step begins and when each log (by its step) reaches the callbacks."""
+
+    def __init__(self, fail_at_step_end=None):
+        self.events, self.fail_at = [], fail_at_step_end
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.events.append(("step", state.global_step + 1))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.fail_at:
+            raise RuntimeError("stopped")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("eval" if "eval_loss" in logs else "log", state.global_step))
+
+
+def _logged_run(tmp_path, defer=True, fail_at_step_end=None):
+    args = train_args(tmp_path, stage="baseline", max_steps=12, logging_steps=3, eval_strategy="steps", eval_steps=6)
+    trainer = ApexTrainer(
+        model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(n=8)
+    )
+    order = Order(fail_at_step_end)
+    trainer.add_callback(order)
+    if not defer:
+        trainer._defers_log = lambda: False
+    try:
+        loss = trainer.train().training_loss
+    except RuntimeError:
+        loss = None
+    keys = ("loss", "grad_norm", "learning_rate", "epoch", "step", "eval_loss", "num_input_tokens_seen")
+    history = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history]
+    return history, order.events, loss
+
+
+def test_a_logging_step_is_logged_at_the_end_of_the_next_one_with_the_same_values(tmp_path):
+    """Its loss and gradient norm are read after the next step has run (on a GPU: no wait for a running step),
+    and logged as the stock Trainer logs them; a step followed by an evaluation, and the last step, log at once."""
+    history, order, loss = _logged_run(tmp_path / "deferred")
+    stock_history, stock_order, stock_loss = _logged_run(tmp_path / "stock", defer=False)
+    assert history == stock_history and loss == stock_loss
+    assert [h["step"] for h in history if "loss" in h] == [3, 6, 9, 12]
+    late = [s for s in (3, 6, 9) if order.index(("log", s)) > order.index(("step", s + 1))]
+    assert late == [3, 9]  # step 6 is evaluated: its log comes first, as without the delay
+    assert order.index(("step", 12)) < order.index(("log", 12)) < order.index(("eval", 12))  # the last step too
+    assert order.index(("log", 6)) < order.index(("eval", 6)) < order.index(("step", 7))
+    assert stock_order.index(("log", 3)) < stock_order.index(("step", 4))
+
+
+def test_a_run_that_stops_after_a_logging_step_keeps_its_log(tmp_path):
+    history, _, _ = _logged_run(tmp_path, fail_at_step_end=4)  # logging step 3 was waiting for step 4's end
+    assert [h["step"] for h in history if "loss" in h] == [3]
+
+
 class HostReads(TorchDispatchMode):
     """Counts the operators that bring a tensor's value to the host (a device sync on a GPU)."""
 

@@ -3,10 +3,11 @@
 Works with the stock ``Trainer`` (it writes ``<output_dir>/hf_apex_metrics.json``) and with ``ApexTrainer``,
 which also merges the per-window figures into ``Trainer.log`` so every ``report_to`` integration sees them.
 
-Measuring adds no synchronisation to the training loop: CUDA events mark each optimizer step (its time is the
-whole cycle to the next step's start, see :class:`~hf_apex.measure.steps.StepTimer`), tokens are counted on the
-device, and both are read at logging steps (where the Trainer syncs for the loss anyway), at the latest every
-``FLUSH_EVERY`` steps; so a logged window holds the steps up to the one before the logging step. Under
+Measuring makes the host wait for no step that is still running: CUDA events mark each optimizer step (its time is
+the whole cycle to the next step's start, see :class:`~hf_apex.measure.steps.StepTimer`), tokens are counted on the
+device and copied to the host without blocking, and both are read at logging steps, at the latest every
+``FLUSH_EVERY`` steps, up to the step before (whose successor has started: the wait is for that step, while the
+current one runs). So a logged window holds the steps up to the one before the logging step. Under
 torch.distributed the ranks are merged there too, at a step every rank runs, with fixed-size tensor reductions;
 ``Trainer.log`` itself stays local.
 """
@@ -95,8 +96,8 @@ class StageMetricsCallback(TrainerCallback):
         self._timer.start()
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        tokens, positions, samples, seq_len = self._counter.take()  # (their copy to the host before the end mark)
         self._timer.stop()
-        tokens, positions, samples, seq_len = self._counter.take()
         skipped = bool(getattr(optimizer, "step_was_skipped", False))
         record = StepRecord(self._index, state.global_step, 0.0, 0, positions, samples, seq_len, skipped)
         self._pending.append((record, tokens))
@@ -123,7 +124,7 @@ class StageMetricsCallback(TrainerCallback):
         # ApexTrainer has already merged (and emptied) this window into the log; with a stock Trainer nothing
         # reads it, so drop it here to keep memory bounded.
         if logs and "loss" in logs:
-            self._window.clear()
+            self._window = self._later_than(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._counter.detach()
@@ -183,10 +184,17 @@ class StageMetricsCallback(TrainerCallback):
         """apex / fallback / torch call counts of this run, per component."""
         return trace.calls_since(trace.collect(self._model, self._optimizer), self._calls_at_start)
 
-    def pop_log_metrics(self) -> dict[str, float]:
-        """Figures for the steps since the last call (time, throughput, MFU), the peak memory so far and the
-        call counts since training started; plain floats for ``Trainer.log``. Local: no collective."""
-        steps, self._window = self._window, []
+    def _later_than(self, step: int) -> list[StepRecord]:
+        # A log read one step late (ApexTrainer's, see HostCopy) finds its logging step's record read already: that
+        # one belongs to the next window, as it would have without the delay.
+        return [r for r in self._window if r.step >= step]
+
+    def pop_log_metrics(self, step: int | None = None) -> dict[str, float]:
+        """Figures for the steps of the window before ``step`` (the logging step; None: all of them): time,
+        throughput, MFU; the peak memory so far and the call counts since training started; plain floats for
+        ``Trainer.log``. Local: no collective."""
+        later = self._later_than(step) if step is not None else []
+        steps, self._window = self._window[: len(self._window) - len(later)], later
         if not steps:
             return {}
         logs = {"step_time_ms": sum(r.ms for r in steps) / len(steps)}

@@ -1,9 +1,9 @@
 """Per-step records: a timer that costs no synchronisation, a counter of the real batch, and the rank merge.
 
 Step times come from CUDA events recorded at the start and end of each optimizer step, read only when the
-callback flushes (at a logging step, where the Trainer syncs for the loss anyway); events go back to a pool once
-read. Tokens are
-counted on the device from ``attention_mask`` (no sync). Under torch.distributed, :func:`merge_ranks` turns each
+callback flushes (at a logging step); events go back to a pool once read. Tokens are counted on the device from
+``attention_mask`` and copied to pinned host memory without blocking, before the step's end mark, so that they
+can be read once the step's time can. Under torch.distributed, :func:`merge_ranks` turns each
 rank's records into one row per step for the job, with fixed-size tensor reductions.
 """
 
@@ -115,17 +115,21 @@ class BatchCounter:
             self._seq_len = max(self._seq_len, ids.shape[-1])
 
     def take(self) -> tuple[list, int, int, int]:
-        """This step's (token counts, positions, samples, longest sequence); starts the next step."""
-        out = (self._tokens, self._positions, self._samples, self._seq_len)
+        """This step's (token counts, positions, samples, longest sequence); starts the next step. Counts on a GPU
+        are being copied to the host: they can be read once the step has finished."""
+        tokens = [t for t in self._tokens if not isinstance(t, torch.Tensor)]
+        counted = [t for t in self._tokens if isinstance(t, torch.Tensor)]
+        if counted and counted[0].is_cuda:  # one copy per step, without blocking (read after the step's end mark)
+            total = torch.stack(counted).sum() if len(counted) > 1 else counted[0]
+            counted = [torch.empty((), dtype=total.dtype, pin_memory=True).copy_(total, non_blocking=True)]
+        out = (tokens + counted, self._positions, self._samples, self._seq_len)
         self._tokens, self._positions, self._samples, self._seq_len = [], 0, 0, 0
         return out
 
 
 def resolve_tokens(counts: list[list]) -> list[int]:
-    """Per-step token totals from the device tensors and ints each step collected (one transfer)."""
-    tensors = [t for step in counts for t in step if isinstance(t, torch.Tensor)]
-    values = iter(torch.stack(tensors).tolist() if tensors else [])
-    return [int(sum(next(values) if isinstance(t, torch.Tensor) else t for t in step)) for step in counts]
+    """Per-step token totals from the ints and the tensors (on the host, or on the CPU device) each step took."""
+    return [int(sum(t.item() if isinstance(t, torch.Tensor) else t for t in step)) for step in counts]
 
 
 def merge_ranks(records: list[StepRecord], peak_memory: list[float]) -> tuple[list[StepRecord], list[float]]:
