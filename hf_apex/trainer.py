@@ -53,8 +53,9 @@ import torch
 from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from torch.utils._pytree import tree_map_only
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.training_args import ParallelMode
 
 from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
@@ -258,6 +259,14 @@ def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 
 
+def _reads_logs(callback) -> bool:
+    """Whether ``callback`` has an ``on_log`` of its own, other than transformers' (progress, printing, the
+    report_to integrations) and hf_apex's: such a callback may act on a log (ask for an evaluation, a save, a stop)."""
+    on_log = getattr(type(callback), "on_log", TrainerCallback.on_log)
+    module = getattr(on_log, "__module__", "") or ""
+    return on_log is not TrainerCallback.on_log and not module.startswith(("transformers.", "hf_apex."))
+
+
 class HostCopy:
     """Values copied to the host without blocking; :meth:`get` waits for the copy alone, not for work queued since.
 
@@ -270,10 +279,11 @@ class HostCopy:
 
     def __init__(self, *values):
         self.values = [self._to_host(v) if torch.is_tensor(v) else v for v in values]
-        self.event = None
-        if any(torch.is_tensor(v) and v.is_cuda for v in values):
-            self.event = torch.cuda.Event()
-            self.event.record()
+        self.events = []  # one per GPU a value came from: each copy runs on its own device's stream
+        for device in {v.device for v in values if torch.is_tensor(v) and v.is_cuda}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.events.append(event)
 
     @staticmethod
     def _to_host(value: torch.Tensor) -> torch.Tensor:
@@ -284,8 +294,8 @@ class HostCopy:
         return host.copy_(value, non_blocking=True)
 
     def get(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
+        for event in self.events:
+            event.synchronize()
         return self.values
 
 
@@ -299,7 +309,8 @@ class ApexTrainer(Trainer):
     static_masks = False  # whether train() runs the model with SDPA masks decided on the host (STATIC_MASKS)
     compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
     stage_metrics: StageMetricsCallback | None = None
-    _deferred_log: tuple | None = None  # a logging step's (HostCopy, state, arguments): logged after the next step
+    _deferred_log: tuple | None = None  # a logging step's (HostCopy, state, calls, arguments): logged a step later
+    _deferred_calls: dict | None = None  # while it is logged: the kernel call counts at its own step
     _norms_to_tune = False  # the next training step first decides the model's norms (autotune)
     _attention_to_tune = False  # the next training step first decides the SDPA backend (attention_backend="fastest")
     _outputs_to_set = False  # the next training step first sets the model's output dtype (fp32_outputs)
@@ -662,26 +673,31 @@ class ApexTrainer(Trainer):
 
     # A logging step's loss and gradient norm are read on the host at the end of the next step (HostCopy): no
     # host-device sync at a logging step. Not where an evaluation, a save or the end of training follows at once
-    # (they log first), across processes (the loss is gathered with a collective) or under the NaN/Inf filter.
+    # (they log first), under torch.distributed (the loss is gathered with a collective), under the NaN/Inf filter,
+    # with auto_find_batch_size (a retried attempt starts afresh), or where a callback of yours reads the logs (it
+    # could ask for an evaluation, a save or a stop, which must see the logging step's model).
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         self._log_deferred()
         if self._defers_log():
             state = self.state
             at = state.global_step, state.epoch, state.num_input_tokens_seen
-            self._deferred_log = HostCopy(tr_loss, grad_norm), at, args, kwargs
+            calls = self.stage_metrics.calls() if self.stage_metrics is not None else None  # (host tallies)
+            self._deferred_log = HostCopy(tr_loss, grad_norm), at, calls, args, kwargs
             tr_loss -= tr_loss  # as the stock log resets it (on the device, after the copy)
             return  # (no evaluation or save is due at this step: _defers_log)
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def _defers_log(self) -> bool:
-        c = self.control
+        c, args = self.control, self.args
         return (
-            isinstance(self.args, ApexTrainingArguments)
+            isinstance(args, ApexTrainingArguments)
             and c.should_log
             and self.state.global_step > self._globalstep_last_logged
             and not (c.should_evaluate or c.should_save or c.should_training_stop or c.should_epoch_stop)
-            and self.args.world_size == 1
-            and not self.args.logging_nan_inf_filter
+            and args.parallel_mode != ParallelMode.DISTRIBUTED
+            and args.world_size == 1
+            and not (args.logging_nan_inf_filter or args.auto_find_batch_size)
+            and not any(_reads_logs(cb) for cb in self.callback_handler.callbacks)
         )
 
     def _log_deferred(self) -> None:
@@ -689,7 +705,7 @@ class ApexTrainer(Trainer):
         pending, self._deferred_log = self._deferred_log, None
         if pending is None:
             return
-        copy, at, args, kwargs = pending
+        copy, at, self._deferred_calls, args, kwargs = pending
         state, control = self.state, self.control
         now = state.global_step, state.epoch, state.num_input_tokens_seen
         flags = control.should_log, control.should_evaluate, control.should_save
@@ -700,9 +716,10 @@ class ApexTrainer(Trainer):
         finally:
             state.global_step, state.epoch, state.num_input_tokens_seen = now
             self.control.should_log, self.control.should_evaluate, self.control.should_save = flags
+            self._deferred_calls = None
 
     # Merge the stage metrics into the logs before Trainer.log copies them to log_history and the integrations.
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self.stage_metrics is not None and "loss" in logs:
-            logs.update(self.stage_metrics.pop_log_metrics(self.state.global_step))
+            logs.update(self.stage_metrics.pop_log_metrics(self.state.global_step, self._deferred_calls))
         super().log(logs, *args, **kwargs)

@@ -482,7 +482,7 @@ def test_the_training_loop_does_not_sync_per_micro_batch(tmp_path, monkeypatch):
 
 
 class Order(TrainerCallback):
-    """Notes when each step begins and when each log (by its step) reaches the callbacks."""
+    """Notes when each step begins (a callback without on_log: one with its own would turn the delay off)."""
 
     def __init__(self, fail_at_step_end=None):
         self.events, self.fail_at = [], fail_at_step_end
@@ -494,17 +494,32 @@ class Order(TrainerCallback):
         if state.global_step == self.fail_at:
             raise RuntimeError("stopped")
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(("eval" if "eval_loss" in logs else "log", state.global_step))
 
-
-def _logged_run(tmp_path, defer=True, fail_at_step_end=None):
-    args = train_args(tmp_path, stage="baseline", max_steps=12, logging_steps=3, eval_strategy="steps", eval_steps=6)
+def _logged_run(tmp_path, defer=True, fail_at_step_end=None, callbacks=(), **kw):
+    args = train_args(
+        tmp_path, stage="fused_adam_ln", max_steps=12, logging_steps=3, eval_strategy="steps", eval_steps=6, **kw
+    )
     trainer = ApexTrainer(
         model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(n=8)
     )
-    order = Order(fail_at_step_end)
+    order, log = Order(fail_at_step_end), trainer.log
     trainer.add_callback(order)
+
+    def noted_log(logs, *args, **kwargs):  # when each log (by its step) is written
+        order.events.append(("eval" if "eval_loss" in logs else "log", trainer.state.global_step))
+        log(logs, *args, **kwargs)
+
+    trainer.log = noted_log
+    metrics, windows = trainer.stage_metrics, []
+    pop = metrics.pop_log_metrics
+
+    def noted_pop(step=None, calls=None):  # which steps' records each log's figures come from
+        windows.append([r.step for r in metrics._window if step is None or r.step < step])
+        return pop(step, calls)
+
+    metrics.pop_log_metrics = noted_pop
+    for callback in callbacks:
+        trainer.add_callback(callback)
     if not defer:
         trainer._defers_log = lambda: False
     try:
@@ -512,16 +527,21 @@ def _logged_run(tmp_path, defer=True, fail_at_step_end=None):
     except RuntimeError:
         loss = None
     keys = ("loss", "grad_norm", "learning_rate", "epoch", "step", "eval_loss", "num_input_tokens_seen")
-    history = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history]
-    return history, order.events, loss
+    history = [
+        {k: v for k, v in h.items() if k in keys or k.startswith(("fallback_calls/", "apex_calls/"))}
+        for h in trainer.state.log_history
+    ]
+    return history, order.events, loss, windows
 
 
 def test_a_logging_step_is_logged_at_the_end_of_the_next_one_with_the_same_values(tmp_path):
     """Its loss and gradient norm are read after the next step has run (on a GPU: no wait for a running step),
     and logged as the stock Trainer logs them; a step followed by an evaluation, and the last step, log at once."""
-    history, order, loss = _logged_run(tmp_path / "deferred")
-    stock_history, stock_order, stock_loss = _logged_run(tmp_path / "stock", defer=False)
+    history, order, loss, windows = _logged_run(tmp_path / "deferred")
+    stock_history, stock_order, stock_loss, stock_windows = _logged_run(tmp_path / "stock", defer=False)
     assert history == stock_history and loss == stock_loss
+    assert history[0]["fallback_calls/layer_norm"] == 5 * 3  # the counts at the logging step, not a step later
+    assert windows == stock_windows and windows[:2] == [[1, 2], [3, 4, 5]]  # each step's time in one log
     assert [h["step"] for h in history if "loss" in h] == [3, 6, 9, 12]
     late = [s for s in (3, 6, 9) if order.index(("log", s)) > order.index(("step", s + 1))]
     assert late == [3, 9]  # step 6 is evaluated: its log comes first, as without the delay
@@ -531,8 +551,20 @@ def test_a_logging_step_is_logged_at_the_end_of_the_next_one_with_the_same_value
 
 
 def test_a_run_that_stops_after_a_logging_step_keeps_its_log(tmp_path):
-    history, _, _ = _logged_run(tmp_path, fail_at_step_end=4)  # logging step 3 was waiting for step 4's end
+    history, *_ = _logged_run(tmp_path, fail_at_step_end=4)  # logging step 3 was waiting for step 4's end
     assert [h["step"] for h in history if "loss" in h] == [3]
+
+
+class ActsOnLogs(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):  # (could ask for an evaluation here)
+        pass
+
+
+@pytest.mark.parametrize("case", ["a callback of yours reads the logs", "auto_find_batch_size"])
+def test_where_a_log_must_come_at_its_step_it_does(tmp_path, case):
+    kw = {"auto_find_batch_size": True} if case == "auto_find_batch_size" else {"callbacks": [ActsOnLogs()]}
+    _, order, *_ = _logged_run(tmp_path, **kw)
+    assert all(order.index(("log", s)) < order.index(("step", s + 1)) for s in (3, 6, 9))
 
 
 class HostReads(TorchDispatchMode):

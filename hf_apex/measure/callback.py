@@ -189,10 +189,11 @@ class StageMetricsCallback(TrainerCallback):
         # one belongs to the next window, as it would have without the delay.
         return [r for r in self._window if r.step >= step]
 
-    def pop_log_metrics(self, step: int | None = None) -> dict[str, float]:
+    def pop_log_metrics(self, step: int | None = None, calls: dict | None = None) -> dict[str, float]:
         """Figures for the steps of the window before ``step`` (the logging step; None: all of them): time,
-        throughput, MFU; the peak memory so far and the call counts since training started; plain floats for
-        ``Trainer.log``. Local: no collective."""
+        throughput, MFU; the peak memory so far and the call counts since training started (``calls``: those
+        counted at the logging step, for a log written later); plain floats for ``Trainer.log``. Local: no
+        collective."""
         later = self._later_than(step) if step is not None else []
         steps, self._window = self._window[: len(self._window) - len(later)], later
         if not steps:
@@ -203,7 +204,7 @@ class StageMetricsCallback(TrainerCallback):
         if self._peak_memory:
             logs["peak_memory_allocated_gib"] = self._peak_memory[0] / GIB
             logs["peak_memory_reserved_gib"] = self._peak_memory[1] / GIB
-        for component, c in self.calls().items():
+        for component, c in (calls if calls is not None else self.calls()).items():
             logs[f"apex_calls/{component}"] = c["apex"]
             logs[f"fallback_calls/{component}"] = c["fallback"]
             if "torch" in c:

@@ -128,8 +128,17 @@ class BatchCounter:
 
 
 def resolve_tokens(counts: list[list]) -> list[int]:
-    """Per-step token totals from the ints and the tensors (on the host, or on the CPU device) each step took."""
-    return [int(sum(t.item() if isinstance(t, torch.Tensor) else t for t in step)) for step in counts]
+    """Per-step token totals from the ints and tensors each step took: on the host (GPU counts copied there,
+    or CPU training) read as they are, on another device in one transfer."""
+    on_device = [t for step in counts for t in step if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    values = iter(torch.stack(on_device).tolist() if on_device else [])
+
+    def value(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.item() if t.device.type == "cpu" else next(values)
+
+    return [int(sum(value(t) for t in step)) for step in counts]
 
 
 def merge_ranks(records: list[StepRecord], peak_memory: list[float]) -> tuple[list[StepRecord], list[float]]:
