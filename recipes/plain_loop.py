@@ -8,21 +8,26 @@ shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the f
 clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16), `torch.compile`, masks (batches
 leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), loss
 (`--fused_linear_cross_entropy`) and SDPA backend (`--attention_backend`, decided on the first batch as the Trainer
-does); `zero_grad(set_to_none=True)`; pinned batches copied without blocking; the loss read on the host every
-`--logging_steps` steps, at the end of the step after (as ApexTrainer). Step times are measured the same way as the
-Trainer's (whole cycles between step starts, CUDA events read at the end), and written with the losses to OUT.json.
+does); `num_items_in_batch` counted as the Trainer counts it; `zero_grad(set_to_none=True)`; pinned batches copied
+without blocking; the loss read on the host every `--logging_steps` steps, at the end of the step after (as
+ApexTrainer). Step times are measured the same way as the Trainer's (whole cycles between step starts, CUDA events
+read at the end), and written with the losses to OUT.json.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import finetune  # recipes/ is the script's folder, so it is on sys.path
 import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
@@ -42,6 +47,26 @@ from hf_apex.trainer import (
     too_short_to_compile,
 )
 from hf_apex.training_args import uses_cuda_graphs
+
+
+def loss_items_counter(model, args) -> Callable[[dict], torch.Tensor | None]:
+    """The Trainer's count of a batch's loss items (``num_items_in_batch``: a causal LM's shifted labels, for a model
+    whose forward takes loss kwargs), by the Trainer's own method on a bare instance that holds what it reads. The
+    loss then divides by that input, as in the Trainer run: the same value, and under torch.compile the same graph
+    (whose dtype depends on the transformers version)."""
+    counter = object.__new__(Trainer)
+    counter.args, counter.model, counter.compute_loss_func = args, model, None
+    counter.accelerator, counter.is_deepspeed_enabled = SimpleNamespace(parallelism_config=None), False
+    if hasattr(model, "accepts_loss_kwargs"):  # as Trainer.__init__ decides it
+        counter.model_accepts_loss_kwargs = model.accepts_loss_kwargs
+    else:
+        params = inspect.signature(model.forward).parameters.values()
+        counter.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    config = getattr(model, "config", None)
+    counter._loss_shifts_labels = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not (
+        getattr(config, "is_encoder_decoder", False)
+    )
+    return lambda batch: counter._get_num_items_in_batch([batch], args.device)
 
 
 def main(out_json: str, argv: list[str]) -> dict:
@@ -114,6 +139,7 @@ def main(out_json: str, argv: list[str]) -> dict:
     batches = itertools.chain([first], batches)
 
     one_sequence = static and "position_ids" not in first  # as ApexTrainer: each row one sequence, unread
+    count_items = loss_items_counter(raw, args)
 
     def loss_fn():
         with (
@@ -137,6 +163,8 @@ def main(out_json: str, argv: list[str]) -> dict:
     graphs = uses_cuda_graphs(args)  # as ApexTrainer: each step's start marked for the CUDA graphs
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        items = count_items(batch)  # as the Trainer: None where the model takes no loss kwargs
+        loss_kwargs = {} if items is None else {"num_items_in_batch": items}
         if tuner is not None and step > 1:  # as ApexTrainer: the norms' trial from the step after the passes'
             tuner.at_step(step - 1)
         timer.start()
@@ -148,7 +176,7 @@ def main(out_json: str, argv: list[str]) -> dict:
                 preferring(attention),
                 one_sequence_per_row(one_sequence),
             ):
-                loss = model(**batch).loss
+                loss = model(**batch, **loss_kwargs).loss
             scaler.scale(loss).backward()
         if args.max_grad_norm > 0:
             scaler.unscale_(optimizer)

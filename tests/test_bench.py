@@ -718,3 +718,32 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
         assert matmul.fp32_precision == "ieee"
     finally:
         matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("family, task", [("gpt2", "lm"), ("bert", "cls")])
+def test_the_plain_loop_passes_the_loss_items_the_trainer_passes(tmp_path, family, task):
+    """The Trainer hands a model that takes loss kwargs the batch's count of labels (a causal LM's shifted ones);
+    the plain loop hands the same value in the same dtype (which depends on the transformers version), so that its
+    loss divides by the same input and, compiled, its graphs are the Trainer run's."""
+    import plain_loop
+
+    from hf_apex import ApexTrainer
+    from tests.test_trainer import train_args
+    from tests.testing_utils import TokenDataset, tiny_model
+
+    model = tiny_model(family).train()
+    args = train_args(tmp_path, stage="baseline", max_steps=2)
+    trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset(task=task))
+    passed, compute_loss = [], trainer.compute_loss
+
+    def noted(model, inputs, *a, num_items_in_batch=None, **kw):
+        passed.append((dict(inputs), num_items_in_batch))
+        return compute_loss(model, inputs, *a, num_items_in_batch=num_items_in_batch, **kw)
+
+    trainer.compute_loss = noted
+    trainer.train()
+    count = plain_loop.loss_items_counter(model, args)
+    for inputs, items in passed:
+        mine = count(inputs)
+        assert torch.is_tensor(mine) and mine.dtype == items.dtype and mine.device == items.device
+        assert mine == items
