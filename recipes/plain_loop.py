@@ -170,7 +170,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with compiled_backward_settings(args, model):  # as ApexTrainer: around the whole step
+        with compiled_backward_settings(args, raw):  # as ApexTrainer (of the model, not its compiled wrapper)
             with (
                 torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
                 preferring(attention),

@@ -747,3 +747,32 @@ def test_the_plain_loop_passes_the_loss_items_the_trainer_passes(tmp_path, famil
         mine = count(inputs)
         assert torch.is_tensor(mine) and mine.dtype == items.dtype and mine.device == items.device
         assert mine == items
+
+
+def test_the_plain_loop_compiles_the_backward_the_trainer_compiles(
+    generated_data,  # noqa: F811
+    word_tokenizer,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Under `fastest` a causal LM's loss runs without the logits, so `compile_recompute_pointwise=auto` leaves the
+    partitioner as it is (ApexTrainer asks the model). Asked of the compiled wrapper, which is not the fused model,
+    the plain loop had recomputed pointwise results in its backward: another step than the Trainer's."""
+    import plain_loop
+
+    from hf_apex.kernels.loss import is_fused
+    from hf_apex.trainer import partitioner_settings
+
+    opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
+    flags = bench.finetune_args("gpt2", "fastest", opts, tmp_path / "run", nproc=1)
+    flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
+    flags += ["--torch_compile_backend", "eager"]  # (Dynamo only: the settings are decided before Inductor)
+    asked, settings = [], plain_loop.compiled_backward_settings
+
+    def noted(args, model):
+        asked.append((is_fused(model), partitioner_settings(args, model)))
+        return settings(args, model)
+
+    monkeypatch.setattr(plain_loop, "compiled_backward_settings", noted)
+    plain_loop.main(str(tmp_path / "plain.json"), flags)
+    assert asked and all(entry == (True, {}) for entry in asked)
