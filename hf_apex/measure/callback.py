@@ -124,7 +124,7 @@ class StageMetricsCallback(TrainerCallback):
         # ApexTrainer has already merged (and emptied) this window into the log; with a stock Trainer nothing
         # reads it, so drop it here to keep memory bounded.
         if logs and "loss" in logs:
-            self._window = self._later_than(state.global_step)
+            self._window = self._from_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._counter.detach()
@@ -184,7 +184,7 @@ class StageMetricsCallback(TrainerCallback):
         """apex / fallback / torch call counts of this run, per component."""
         return trace.calls_since(trace.collect(self._model, self._optimizer), self._calls_at_start)
 
-    def _later_than(self, step: int) -> list[StepRecord]:
+    def _from_step(self, step: int) -> list[StepRecord]:
         # A log read one step late (ApexTrainer's, see HostCopy) finds its logging step's record read already: that
         # one belongs to the next window, as it would have without the delay.
         return [r for r in self._window if r.step >= step]
@@ -194,7 +194,7 @@ class StageMetricsCallback(TrainerCallback):
         throughput, MFU; the peak memory so far and the call counts since training started (``calls``: those
         counted at the logging step, for a log written later); plain floats for ``Trainer.log``. Local: no
         collective."""
-        later = self._later_than(step) if step is not None else []
+        later = self._from_step(step) if step is not None else []
         steps, self._window = self._window[: len(self._window) - len(later)], later
         if not steps:
             return {}
