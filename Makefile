@@ -8,6 +8,8 @@ OFFLINE ?=
 APEX_SRC ?=
 APEX_COMMIT ?= 6424da3b4faa6c8f062da4a48c424fff3f02d42d
 APEX_PARALLEL_BUILD ?= $(shell nproc)
+# make apex APEX_EXTENSIONS=hf_apex: compile only the extensions hf_apex loads (amp_C, fused_layer_norm_cuda)
+APEX_EXTENSIONS ?= all
 PYTEST_ARGS ?=
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
 # recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 20; BERT's
@@ -52,7 +54,8 @@ else
 endif
 
 apex: install
-	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) $(if $(APEX_SRC),--src $(APEX_SRC),)
+	$(PYTHON) -m hf_apex.build_apex --commit $(APEX_COMMIT) --jobs $(APEX_PARALLEL_BUILD) --extensions $(APEX_EXTENSIONS) \
+	  $(if $(APEX_SRC),--src $(APEX_SRC),)
 	$(PYTHON) -m hf_apex doctor --strict
 
 # On a CUDA machine whose apex lacks its kernels, build apex first.

@@ -4,8 +4,13 @@ Checks before compiling, each with a message that says what to do:
 - torch is a CUDA build, and nvcc's CUDA version equals ``torch.version.cuda`` (apex refuses otherwise);
 - ``TORCH_CUDA_ARCH_LIST`` is set, or derived from the visible GPUs.
 Then ``APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation --no-deps <src>`` with
-``APEX_PARALLEL_BUILD`` jobs, and records the build (commit, arch list, versions) next to the installed
+``APEX_PARALLEL_BUILD`` jobs, and records the build (commit, arch list, versions, extensions) next to the installed
 package in ``apex/_hf_apex_build.json`` so every metrics file can name the apex commit.
+
+``--extensions hf_apex`` (``make apex APEX_EXTENSIONS=hf_apex``) compiles only the extensions hf_apex loads
+(``amp_C`` for FusedAdam/FusedLAMB, ``fused_layer_norm_cuda`` for the norms) instead of every one apex builds
+(twelve at the pinned commit): apex's own ``setup.py`` builds a wheel, with its sources, flags and parallel build,
+but its ``setup()`` is handed only those extensions; the rest of apex is installed as Python, as apex ships it.
 
 The commit is recorded only when it is known to be the one built: the source is the root of a git checkout
 (its HEAD, marked when the tree has local changes), or its files hash to the ``git archive`` export of a commit
@@ -24,10 +29,11 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from .kernels.availability import BUILD_RECORD, portable_path
+from .kernels.availability import BUILD_RECORD, EXTENSIONS, portable_path
 
 APEX_REPO = "https://github.com/NVIDIA/apex"
 DEFAULT_COMMIT = "6424da3b4faa6c8f062da4a48c424fff3f02d42d"
@@ -38,6 +44,55 @@ KNOWN_EXPORTS = {DEFAULT_COMMIT: "f188ce295c7ec588f2e697ab106fa63f47c6bc89"}
 class BuildError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"make apex: {message}")
+
+
+ALL_EXTENSIONS = "all"  # every extension apex's setup.py declares under APEX_CPP_EXT=1 APEX_CUDA_EXT=1
+HF_APEX_EXTENSIONS = "hf_apex"  # the ones hf_apex loads (hf_apex.kernels.availability.EXTENSIONS)
+
+# Run in the apex source folder: apex's setup.py builds a wheel into argv[1], its setup() handed only the extensions
+# named in argv[2] (comma-separated) of those it declares.
+_SETUP_WITH_ONLY = """
+import runpy, setuptools, sys
+out, wanted = sys.argv[1], sys.argv[2].split(",")
+stock_setup = setuptools.setup
+def setup(**kwargs):
+    declared = [ext.name for ext in kwargs.get("ext_modules") or []]
+    missing = [name for name in wanted if name not in declared]
+    if missing:
+        sys.exit(f"make apex: apex's setup.py declares no extension {', '.join(missing)}; it declares "
+                 f"{', '.join(declared) or 'none'}")
+    kwargs["ext_modules"] = [ext for ext in kwargs["ext_modules"] if ext.name in wanted]
+    return stock_setup(**kwargs)
+setuptools.setup = setup
+sys.argv = ["setup.py", "bdist_wheel", "--dist-dir", out]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+def wanted_extensions(spec: str) -> list[str] | None:
+    """The extensions to compile: None for all of apex's, else their names (``hf_apex``: those hf_apex loads)."""
+    if spec == ALL_EXTENSIONS:
+        return None
+    if spec == HF_APEX_EXTENSIONS:
+        return sorted(set(EXTENSIONS.values()))
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise BuildError(
+            f"--extensions {spec!r} names no extension: give {ALL_EXTENSIONS}, {HF_APEX_EXTENSIONS} "
+            "or extension names separated by commas"
+        )
+    return names
+
+
+def build_wheel(src: Path, names: list[str], env: dict, out: Path) -> Path:
+    """A wheel of apex from ``src`` whose compiled extensions are ``names`` alone, written into ``out``."""
+    done = subprocess.run([sys.executable, "-c", _SETUP_WITH_ONLY, str(out), ",".join(names)], cwd=src, env=env)
+    if done.returncode != 0:
+        raise BuildError(f"apex's setup.py failed (exit {done.returncode}); its output is above.")
+    wheels = sorted(out.glob("*.whl"))
+    if len(wheels) != 1:
+        raise BuildError(f"apex's setup.py left {len(wheels)} wheels in {out}, not one.")
+    return wheels[0]
 
 
 def arch_list() -> str:
@@ -151,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="apex commit to clone (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compile jobs (APEX_PARALLEL_BUILD)")
     parser.add_argument("--workdir", default=".deps", help="where to clone apex when --src is absent")
+    parser.add_argument(
+        "--extensions",
+        default=ALL_EXTENSIONS,
+        help=f"which extensions to compile: {ALL_EXTENSIONS} (default: every one apex builds), {HF_APEX_EXTENSIONS} "
+        f"({', '.join(sorted(set(EXTENSIONS.values())))}: the ones hf_apex loads), or names separated by commas",
+    )
     args = parser.parse_args(argv)
+    names = wanted_extensions(args.extensions)
 
     nvcc, torch_cuda = check_cuda_versions()
     archs = arch_list()
@@ -161,11 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("MAX_JOBS", str(args.jobs))
     print(
         f"make apex: building {portable_path(src)} (commit {identity['commit']}: {identity['commit_source']}) for "
-        f"TORCH_CUDA_ARCH_LIST={archs}, CUDA {nvcc}, {args.jobs} jobs"
+        f"TORCH_CUDA_ARCH_LIST={archs}, CUDA {nvcc}, {args.jobs} jobs, extensions: {', '.join(names or ['all'])}"
     )
     started = time.time()
-    cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", str(src)]
-    subprocess.run(cmd, env=env, check=True)
+    if names is None:
+        cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", str(src)]
+        subprocess.run(cmd, env=env, check=True)
+    else:
+        with tempfile.TemporaryDirectory() as out:
+            wheel = build_wheel(src, names, env, Path(out))
+            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)]
+            subprocess.run(cmd, check=True)
     seconds = time.time() - started
 
     import torch
@@ -182,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_cuda_arch_list": archs,
         "nvcc": nvcc,
         "torch": torch.__version__,
+        "extensions": names or ALL_EXTENSIONS,
         "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(seconds, 1),
     }

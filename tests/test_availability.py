@@ -1,13 +1,24 @@
 """Apex is detected by its compiled extensions, never by the package name; importing hf_apex never imports apex;
 the blocker names what really stops apex; the build record names the commit really built, or says unknown."""
 
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import zipfile
 
 import pytest
 
-from hf_apex.build_apex import KNOWN_EXPORTS, identify_commit, source_tree_hash
+from hf_apex.build_apex import (
+    KNOWN_EXPORTS,
+    BuildError,
+    build_wheel,
+    identify_commit,
+    source_tree_hash,
+    wanted_extensions,
+)
 from hf_apex.kernels import availability
 
 
@@ -157,3 +168,58 @@ def test_source_tree_hash_is_gits_tree_hash(tmp_path):
     _git(tmp_path, "commit", "-qm", "t")
     tree = subprocess.run(["git", "rev-parse", "HEAD^{tree}"], cwd=tmp_path, capture_output=True, text=True)
     assert source_tree_hash(tmp_path) == tree.stdout.strip()
+
+
+def _fake_apex_source(root):
+    """A source folder whose setup.py, like apex's, declares its extensions and calls setuptools' setup(): three C
+    extensions that the machine's C compiler builds in a second."""
+    for name in ("alpha", "beta", "gamma"):
+        _write(
+            root,
+            f"{name}.c",
+            f"""
+            #include <Python.h>
+            static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, "{name}", NULL, -1, NULL}};
+            PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&module); }}
+            """,
+        )
+    _write(root, "fakeapex/__init__.py")
+    _write(
+        root,
+        "setup.py",
+        """
+        from setuptools import Extension, find_packages, setup
+
+        exts = [Extension(name, [name + ".c"]) for name in ("alpha", "beta", "gamma")]
+        setup(name="fakeapex", version="0.1", packages=find_packages(), ext_modules=exts)
+        """,
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None
+    or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
+    reason="needs a C compiler and Python's headers to build the stand-in extensions",
+)
+def test_a_build_of_some_extensions_compiles_those_alone(tmp_path):
+    """`make apex APEX_EXTENSIONS=...`: the source's own setup.py builds the wheel, handed only the named
+    extensions; the Python package is in it whole; a name the source does not declare stops the build."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    out.mkdir()
+    _fake_apex_source(src)
+    wheel = build_wheel(src, ["alpha", "gamma"], dict(os.environ), out)
+    files = zipfile.ZipFile(wheel).namelist()
+    built = sorted(name.split(".")[0] for name in files if name.endswith(".so"))
+    assert built == ["alpha", "gamma"]
+    assert "fakeapex/__init__.py" in files
+    with pytest.raises(BuildError, match="setup.py failed"):
+        build_wheel(src, ["alpha", "delta"], dict(os.environ), tmp_path)
+
+
+def test_the_hf_apex_extension_set_is_what_hf_apex_loads():
+    assert wanted_extensions("all") is None
+    assert wanted_extensions("hf_apex") == sorted(set(availability.EXTENSIONS.values()))
+    assert wanted_extensions("hf_apex") == ["amp_C", "fused_layer_norm_cuda"]
+    assert wanted_extensions(" amp_C, syncbn ") == ["amp_C", "syncbn"]
+    with pytest.raises(BuildError, match="names no extension"):
+        wanted_extensions(" , ")

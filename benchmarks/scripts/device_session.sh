@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
-# steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built unless its kernels are there) |
+# steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
+# loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
 # test) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py) | attnstep:<model>[:nodrop]
@@ -42,7 +43,9 @@ for step in "$@"; do
         cat .deps/apex-prebuilt/*.part-* | tar xzf - -C /tmp/site && echo "apex: the prebuilt copy in .deps/apex-prebuilt"
       fi
       if ! python3 -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
-        timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex > $OUT/apex.log 2>&1; echo "apex rc $?"
+        # only the extensions hf_apex loads (all twelve took 153-179 s to compile here); all of them if that fails
+        timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex APEX_EXTENSIONS=hf_apex > $OUT/apex.log 2>&1 \
+          || timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex >> $OUT/apex.log 2>&1; echo "apex rc $?"
         tail -4 $OUT/apex.log
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader;;
