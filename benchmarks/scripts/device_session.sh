@@ -56,7 +56,7 @@ for step in "$@"; do
       ls -la $OUT/apex-prebuilt.tgz.part-*;;
     testgpu)
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) make test-gpu OFFLINE=1 \
-        PYTEST_ARGS="--ignore=tests/gpu/test_fast_stage_gpu.py -p no:cacheprovider -rfEs --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
+        PYTEST_ARGS="--ignore=tests/gpu/test_fast_stage_gpu.py -p no:cacheprovider -rfEs --durations=20 --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
       echo "test-gpu rc $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $OUT/test-gpu.log | tail -25;;
     fast)
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) python3 -m pytest -p no:cacheprovider \
