@@ -197,7 +197,7 @@ def _fake_apex_source(root):
 
 
 @pytest.mark.skipif(
-    shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") is None
+    shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None
     or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
     reason="needs a C compiler and Python's headers to build the stand-in extensions",
 )
