@@ -53,6 +53,9 @@ TRIAL_ORDER = (0, 1, 1, 0)  # its blocks: the passes' choice, the other backend,
 TRIAL_MIN_STEPS = 64  # a run with fewer optimizer steps keeps the passes' choice (the trial would be too much of it)
 TRIAL_STEPS = TRIAL_BLOCK * len(TRIAL_ORDER)
 TRIAL_WARMUP = TRIAL_STEPS + 2  # warm-up of a run with a trial: the passes' step, the trial's, the profiled one after
+# The trial's backends tie when their median steps differ by less than this fraction of the faster one's (or by less
+# than the steps' own spread, NormTrial.tied): a tie decides this run only and is not cached.
+TRIAL_TIE = 0.01
 
 
 def default_cache_path() -> Path:
@@ -283,7 +286,9 @@ class NormTrial:
     35–42 ms with torch's (``benchmarks/h200-2026-12-01-whole``). So the next optimizer steps run in blocks of
     :data:`TRIAL_BLOCK`, the passes' choice and the other backend in turns (:data:`TRIAL_ORDER`), timed as the stage
     metrics time steps (start to next start, CUDA events, one sync at the end). Each block's first step, the switch,
-    is left out; the backend with the lower median step stays for the rest of the run.
+    is left out; the backend with the lower median step stays for the rest of the run. Where the steps cannot tell
+    the two apart (:meth:`tied`), that choice holds for this run only: it is not cached, and the next run checks
+    again.
     """
 
     def __init__(self, key: dict, passes, switch: Callable[[str], None], cuda: bool, after: int | None = None):
@@ -295,6 +300,7 @@ class NormTrial:
         self._begun = 0  # planned steps started
         self._step = after  # the optimizer step whose micro-batches run now (the passes' step, to begin with)
         self._dropped: set[int] = set()  # planned steps during which something else ran (evaluation, a save)
+        self._times: list[float] | None = None  # the planned steps' milliseconds, read once (one sync)
 
     def interrupt(self) -> None:
         """Something that is not training runs now (evaluation, a checkpoint): the step in progress is left out."""
@@ -318,14 +324,35 @@ class NormTrial:
         self.timer.start()
         return False
 
-    def medians(self) -> dict[str, float]:
-        """Each backend's median step in milliseconds, each block's first step and interrupted steps left out (one
-        sync on a GPU). A backend left with no step is left out."""
+    def kept(self) -> dict[str, list[float]]:
+        """Each backend's steps in milliseconds, each block's first step and interrupted steps left out (one sync on
+        a GPU, at the first call). A backend left with no step is left out."""
+        if self._times is None:
+            self._times = self.timer.drain(final=True)
         kept: dict[str, list[float]] = {name: [] for name in dict.fromkeys(self.plan)}
-        for i, (backend, ms) in enumerate(zip(self.plan, self.timer.drain(final=True))):
+        for i, (backend, ms) in enumerate(zip(self.plan, self._times)):
             if i % TRIAL_BLOCK and i not in self._dropped:
                 kept[backend].append(ms)
-        return {name: statistics.median(times) for name, times in kept.items() if times}
+        return {name: times for name, times in kept.items() if times}
+
+    def medians(self) -> dict[str, float]:
+        """Each backend's median step in milliseconds (of :meth:`kept`)."""
+        return {name: statistics.median(times) for name, times in self.kept().items()}
+
+    def tied(self) -> bool:
+        """Whether the steps cannot tell the two backends apart: their medians differ by less than
+        :data:`TRIAL_TIE` of the faster one's, or by less than the steps' own spread (each backend's median
+        absolute deviation from its median, the larger of the two). Where a step waits on a host whose speed
+        changes for tens of steps at a time, all of the trial's steps can fall in one slow stretch, in which both
+        backends take the same time (on an H200, BERT-base 128 x 128: torch 60.1 against apex 60.4 ms, steps from
+        51.7 to 92.9 ms; benchmarks/h200-2026-12-02-bert-rounds)."""
+        kept = self.kept()
+        if len(kept) < 2:
+            return False
+        medians = {name: statistics.median(times) for name, times in kept.items()}
+        spread = max(statistics.median([abs(ms - medians[name]) for ms in times]) for name, times in kept.items())
+        fast, slow = sorted(medians.values())
+        return slow - fast < max(TRIAL_TIE * fast, spread)
 
 
 class Autotuner:
@@ -378,7 +405,7 @@ class Autotuner:
         decides and the other ranks take its decision (a collective: every rank must call it), as the optimizer
         needs under DDP, where replicas that round their updates differently would drift apart. With
         ``checked_later``, a choice between two timed backends stays out of the disk cache: a later check (the
-        norms' trial on whole steps) caches its own verdict.
+        norms' trial on whole steps) caches its own verdict, unless it is a tie.
         """
         decision = None
         if not same_on_all_ranks or distributed.rank() == 0:
@@ -553,7 +580,7 @@ class Autotuner:
 
         With ``trial`` (a run of at least :data:`TRIAL_MIN_STEPS` steps), when both backends were timed, the
         training steps that follow check the choice (:class:`NormTrial`; the caller calls :meth:`at_step` at each
-        micro-batch), and only their verdict goes into the disk cache.
+        micro-batch), and only their verdict goes into the disk cache, unless it is a tie (:meth:`NormTrial.tied`).
         """
         swapped = [m for m in model.modules() if norms.is_swapped(m)]
         if not swapped:
@@ -634,21 +661,29 @@ class Autotuner:
         trial, self.trial = self.trial, None
         medians = trial.medians()
         both = len(medians) == 2  # (else evaluation or saving took every step of a backend)
-        backend = distributed.broadcast_object(min(medians, key=medians.get) if both else trial.passes.backend)
+        backend, tied = distributed.broadcast_object(
+            (min(medians, key=medians.get), trial.tied()) if both else (trial.passes.backend, False)
+        )
         trial.switch(backend)
         reason = "whole steps: the median step of each, after the passes"
+        if tied:
+            reason = (
+                f"whole steps: a tie (medians within {TRIAL_TIE:.0%} or the steps' spread); the lower median for this "
+                "run only, not cached: the next run checks again"
+            )
         if not both:
             reason = "whole steps: too few uninterrupted steps, the passes' choice stays"
         decision = Decision("norms", trial.key, backend, medians, trial.passes.parity_ok, reason=reason)
         self.decisions.append(decision)
-        if both:
+        if both and not tied:
             entry = {"backend": backend, "times_ms": medians, "parity_ok": decision.parity_ok}
             self.cache.put(self._cache_parts("norms", trial.key), {**entry, "passes_ms": trial.passes.times_ms})
         logger.info(
-            "hf_apex autotune: norms on whole steps -> %s (ms per step %s; the passes had chosen %s)",
+            "hf_apex autotune: norms on whole steps -> %s (ms per step %s; the passes had chosen %s)%s",
             backend,
             {k: round(v, 3) for k, v in medians.items()},
             trial.passes.backend,
+            "; a tie, not cached" if tied else "",
         )
 
     def interrupt(self) -> None:

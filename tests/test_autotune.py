@@ -416,6 +416,59 @@ def test_the_trial_leaves_out_each_switch_and_every_interrupted_step():
     assert trial.medians() == {APEX: 10.0}
 
 
+def _run_trial(ms, first=APEX):
+    """A NormTrial whose planned steps took ``ms``, in order, run to its end."""
+    passes = autotune.Decision("norms", {}, first, {APEX: 1.0, TORCH: 2.0})
+    trial = autotune.NormTrial({}, passes, lambda backend: None, cuda=False, after=0)
+    trial.timer = _FixedSteps(ms)
+    assert not any(trial.begin(step) for step in range(1, len(trial.plan) + 1))
+    assert trial.begin(len(trial.plan) + 1)
+    return trial
+
+
+def _steps(trial_plan, apex, torch_):
+    """Step times for a plan: apex's steps from ``apex`` and torch's from ``torch_``, each in turn."""
+    sources = {APEX: iter(apex), TORCH: iter(torch_)}
+    return [next(sources[backend]) for backend in trial_plan]
+
+
+def test_a_trial_that_cannot_tell_the_backends_apart_is_a_tie():
+    plan = [APEX] * 4 + [TORCH] * 8 + [APEX] * 4
+    # clearly apart: 10 against 12 ms, each within 0.1 ms
+    apart = _run_trial(_steps(plan, [10.0, 10.1, 9.9] * 3, [12.0, 12.1, 11.9] * 3))
+    assert apart.medians() == {APEX: 10.0, TORCH: 12.0} and not apart.tied()
+    # within 1 %: 10.00 against 10.05 ms, however steady
+    assert _run_trial(_steps(plan, [10.0] * 8, [10.05] * 8)).tied()
+    # 4 % apart, but each backend's steps spread by 3 ms around its median: a tie; 30 % apart with that spread: not
+    noisy = [50.0, 45.0, 55.0, 44.0, 56.0, 45.0, 55.0, 50.0]
+    assert _run_trial(_steps(plan, noisy, [x + 2.0 for x in noisy])).tied()
+    assert not _run_trial(_steps(plan, noisy, [x + 15.0 for x in noisy])).tied()
+    # An H200 trial (BERT-base 128 x 128, benchmarks/h200-2026-12-02-bert-rounds, run bert-auto: steps 2-17 as its
+    # metrics recorded them; the passes had chosen torch): every step in one slow stretch of the host
+    h200 = [58.1, 61.4, 60.0, 59.1, 59.7, 56.1, 53.8, 62.5, 69.6, 65.6, 61.7, 58.9, 57.2, 60.3, 51.7, 92.9]
+    slow_stretch = _run_trial(h200, first=TORCH)
+    assert slow_stretch.medians()[TORCH] < slow_stretch.medians()[APEX] and slow_stretch.tied()
+
+
+def test_a_tie_on_whole_steps_is_not_cached_and_the_next_run_checks_again(fake_apex, tmp_path, monkeypatch):
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {APEX: 1.0, TORCH: 2.0})  # the passes say apex
+    monkeypatch.setattr(autotune, "StepTimer", lambda cuda: _FixedSteps([10.0] * autotune.TRIAL_STEPS))
+
+    def run(name):
+        args = auto_args(tmp_path / name, max_steps=autotune.TRIAL_MIN_STEPS, bf16=False)
+        ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset()).train()
+        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+        return [d for d in metrics["autotune"] if d["component"] == "norms"]
+
+    for name in ("first", "second"):  # the second run times the passes and the steps again: nothing was cached
+        passes, steps = run(name)
+        assert (passes["backend"], passes["cached"], steps["cached"]) == (APEX, False, False)
+        assert steps["times_ms"] == {APEX: 10.0, TORCH: 10.0} and "a tie" in steps["reason"]
+        cached = json.loads((tmp_path / "cache.json").read_text())
+        assert not [e for e in cached.values() if e["key"].get("component") == "norms"]
+
+
 def test_a_held_warm_up_lasts_one_run():
     callback = StageMetricsCallback(warmup_steps=3)
     args = types.SimpleNamespace(device=torch.device("cpu"), stage=None)
