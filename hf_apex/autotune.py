@@ -346,10 +346,9 @@ class NormTrial:
         changes for tens of steps at a time, all of the trial's steps can fall in one slow stretch, in which both
         backends take the same time (on an H200, BERT-base 128 x 128: torch 60.1 against apex 60.4 ms, steps from
         51.7 to 92.9 ms; benchmarks/h200-2026-12-02-bert-rounds)."""
-        kept = self.kept()
+        kept, medians = self.kept(), self.medians()
         if len(kept) < 2:
             return False
-        medians = {name: statistics.median(times) for name, times in kept.items()}
         spread = max(statistics.median([abs(ms - medians[name]) for ms in times]) for name, times in kept.items())
         fast, slow = sorted(medians.values())
         return slow - fast < max(TRIAL_TIE * fast, spread)
@@ -665,14 +664,15 @@ class Autotuner:
             (min(medians, key=medians.get), trial.tied()) if both else (trial.passes.backend, False)
         )
         trial.switch(backend)
-        reason = "whole steps: the median step of each, after the passes"
-        if tied:
+        if not both:
+            reason = "whole steps: too few uninterrupted steps, the passes' choice stays"
+        elif tied:
             reason = (
                 f"whole steps: a tie (medians within {TRIAL_TIE:.0%} or the steps' spread); the lower median for this "
                 "run only, not cached: the next run checks again"
             )
-        if not both:
-            reason = "whole steps: too few uninterrupted steps, the passes' choice stays"
+        else:
+            reason = "whole steps: the median step of each, after the passes"
         decision = Decision("norms", trial.key, backend, medians, trial.passes.parity_ok, reason=reason)
         self.decisions.append(decision)
         if both and not tied:
