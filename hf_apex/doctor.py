@@ -148,9 +148,10 @@ def format_report(report: dict) -> str:
     if proof is not None:
         lines.append("  runtime proof (torch.profiler, one norm fwd+bwd and one FusedAdam step)")
         if "kernels" in proof:
+            width = max(map(len, proof["kernels"]), default=0) + 2  # "norm_backward" is longer than the others
             for component, names in proof["kernels"].items():
                 for name in names:
-                    lines.append(f"    {component:<12}{name}")
+                    lines.append(f"    {component:<{width}}{name}")
             diffs = ", ".join(f"{k} {v:.2e}" for k, v in proof["max_abs_diff_vs_torch"].items())
             lines.append(f"    max |apex - torch| forward: {diffs}")
         else:  # {"skipped": why} or {"error": what}

@@ -39,3 +39,16 @@ def test_console_script_and_module_entry_points():
 def test_a_command_typo_says_so(capsys):
     assert cli.main(["doctr"]) == 2
     assert capsys.readouterr().err.strip() == "hf-apex: error: unknown command 'doctr' (choose from: doctor)"
+
+
+def test_the_runtime_proof_keeps_its_columns_apart():
+    report = doctor.collect(proof=False)
+    report["runtime_proof"] = {
+        "kernels": {"layer_norm": ["cuApplyLayerNorm"], "norm_backward": ["cuComputeGradInput"]},
+        "max_abs_diff_vs_torch": {"ln": 1e-6},
+    }
+    lines = doctor.format_report(report).splitlines()
+    proof = [line.split() for line in lines if "cuApplyLayerNorm" in line or "cuComputeGradInput" in line]
+    assert proof == [["layer_norm", "cuApplyLayerNorm"], ["norm_backward", "cuComputeGradInput"]]
+    columns = {line.index("cu") for line in lines if "cuApplyLayerNorm" in line or "cuComputeGradInput" in line}
+    assert len(columns) == 1  # the kernels' names line up
