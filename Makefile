@@ -33,11 +33,11 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 
 help:
 	@echo "make install     install hf_apex (+dev and plot extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
-	@echo "make bench       the stage ladder for BERT, GPT-2 and Llama: table, CSV/JSON and chart in $(BENCH_DIR)/"
+	@echo "make bench       the stage ladder (CUDA: BERT, GPT-2, Llama; CPU: tiny BERT, GPT-2): table, CSV/JSON, chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-gpu    GPU tests (pytest -m 'gpu and not perf'): needs CUDA and apex's kernels"
 	@echo "make test-perf   timing assertions on the GPU (pytest -m perf)"
-	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>)"
+	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>; APEX_EXTENSIONS=hf_apex: only the two hf_apex loads)"
 	@echo "make doctor      which apex kernels are available, with a runtime proof"
 	@echo "make lint        ruff check + format check;  make style: fix both"
 
