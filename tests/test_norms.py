@@ -112,3 +112,28 @@ def test_a_swapped_model_routes_to_the_kernel_once_per_input_kind(torch_extensio
         "fallback_reasons": {},
     }
     assert repr(model[1]).endswith("kernel=apex)")
+
+
+class WideEpsLayerNorm(torch.nn.Module):
+    """A weightless LayerNorm whose forward hard-codes another eps than OLMo's."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.normalized_shape = (hidden,)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, eps=1e-2)
+
+
+def test_a_weightless_norm_runs_the_kernel_with_the_eps_its_class_hard_codes(torch_extension, monkeypatch):
+    monkeypatch.setitem(
+        norms.WEIGHTLESS_LAYER_NORMS, "WideEpsLayerNorm", 1e-2
+    )  # checked by surgery, used by the kernel
+    monkeypatch.setattr(norms, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
+    monkeypatch.setattr(norms, "_load_extension", lambda: None)
+    model = torch.nn.Sequential(WideEpsLayerNorm(16))
+    x = torch.randn(4, 16) * 0.05  # a variance of the order of eps: the eps shows
+    want = model(x)
+    assert rewire(model).num_swapped == 1
+    torch.testing.assert_close(model(x), want)
+    assert next(iter(model[0].hf_apex_routes.values())).backend == trace.APEX

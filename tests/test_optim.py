@@ -168,3 +168,11 @@ def test_apex_subclass_takes_torch_zero_grad_arguments(monkeypatch):
         assert torch.equal(p.grad, torch.zeros(3))
     finally:
         optim.apex_optimizer_class.cache_clear()
+
+
+@pytest.mark.parametrize("option", ["capturable", "master_weights"])
+def test_an_apex_only_option_on_the_fallback_says_why_apex_cannot_run(option):
+    with pytest.raises(ValueError, match=option.split("_")[0]) as raised:
+        FusedAdamFallback([torch.nn.Parameter(torch.zeros(3))], **{option: True})
+    assert "cpu tensors (apex kernels need CUDA tensors)" in str(raised.value)  # the reason, and what removes it
+    assert str(raised.value).endswith("run on a CUDA machine, or leave the apex switches off.")

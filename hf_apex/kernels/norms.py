@@ -219,18 +219,23 @@ def _run_layer_norm(m, x, amp):
     return _LayerNorm.apply(x, m.normalized_shape, m.eps, amp)
 
 
+# LayerNorms without weight or bias, with the eps their forward hard-codes (surgery checks it numerically before
+# swapping; the kernel then uses it).
+WEIGHTLESS_LAYER_NORMS = {"OlmoLayerNorm": 1e-5}
+
+
 class _WeightlessLayerNormKernel(_ApexNorm):
     """A LayerNorm with neither weight nor bias and a fixed eps (OLMo's), through apex's non-affine kernel."""
 
     hf_apex_component = "layer_norm"
-    hf_apex_eps = 1e-5
 
     def hf_apex_kernel(self, amp):
-        return functools.partial(_run_weightless, amp=amp)
+        eps = WEIGHTLESS_LAYER_NORMS[stock_class(self).__name__]
+        return functools.partial(_run_weightless, amp=amp, shape=tuple(self.normalized_shape), eps=eps)
 
 
-def _run_weightless(m, x, amp):
-    return _LayerNorm.apply(x, tuple(m.normalized_shape), m.hf_apex_eps, amp)
+def _run_weightless(m, x, amp, shape, eps):
+    return _LayerNorm.apply(x, shape, eps, amp)
 
 
 class _RMSNormKernel(_ApexNorm):

@@ -113,13 +113,16 @@ class FusedAdamFallback(torch.optim.Optimizer):
     ):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        if capturable or master_weights:
-            raise ValueError(f"capturable/master_weights need apex's kernels. {fix_for('apex is not installed')}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode = adam_w_mode
         first = next((p for g in self.param_groups for p in g["params"]), None)
         reason = blocker("fused_adam", first.device if first is not None else None)
+        if capturable or master_weights:
+            why = f"apex cannot run here: {reason}" if reason else "this fallback was chosen directly"
+            raise ValueError(
+                f"capturable/master_weights need apex's FusedAdam kernel ({why}). {fix_for(reason or '')}".rstrip()
+            )
         self.hf_apex_route = KernelRoute("optimizer", FALLBACK, reason=reason or "FusedAdamFallback chosen directly")
 
     @torch.no_grad()

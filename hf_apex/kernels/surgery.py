@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import is_swapped, rms_norm_eps, stock_class, swapped_class
+from .norms import WEIGHTLESS_LAYER_NORMS, is_swapped, rms_norm_eps, stock_class, swapped_class
 
 logger = logging.getLogger("hf_apex")
 
@@ -42,8 +42,6 @@ RMS_NORM_CLASSES = frozenset(
         "UMT5LayerNorm",
     }
 )
-# LayerNorms without weight or bias, with the eps their forward hard-codes (checked numerically before swapping).
-WEIGHTLESS_LAYER_NORMS = {"OlmoLayerNorm": 1e-5}
 # Norms that look like candidates but are not drop-ins for an apex kernel.
 UNSUPPORTED_NORMS = {
     "GemmaRMSNorm": "Gemma-style norm scales by (1 + weight); apex FusedRMSNorm scales by weight",
