@@ -486,11 +486,14 @@ class Autotuner:
         pinned = self._pinned_decision("optimizer", "optimizer", {})
         if pinned is not None:
             return pinned
-        why_not = blocked and f"not timed: apex cannot run here ({blocked})"
-        if set(kwargs) - {"lr", "betas", "eps", "weight_decay"}:
-            why_not = f"not timed: apex-only options {sorted(set(kwargs) - {'lr', 'betas', 'eps', 'weight_decay'})}"
+        apex_only = sorted(set(kwargs) - {"lr", "betas", "eps", "weight_decay"})
+        why_not = []
+        if blocked:
+            why_not.append(f"apex cannot run here ({blocked})")
+        if apex_only:
+            why_not.append(f"apex-only options {apex_only}")
         if why_not:
-            self.decisions.append(Decision("optimizer", {}, None, reason=why_not))
+            self.decisions.append(Decision("optimizer", {}, None, reason="not timed: " + "; ".join(why_not)))
             return APEX
         from torch.distributed.tensor import DTensor
 

@@ -568,7 +568,7 @@ class ApexTrainer(Trainer):
                     return self.autotuner.choose_optimizer(model, kwargs, blocked)
 
             return apex_optimizer_cls_and_kwargs(args, model, choose)
-        return Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)

@@ -14,8 +14,8 @@ go on, and the bench exits with status 1 naming the failed ones (`--skip_existin
 
 `--repeats N` runs each row N times, each run a fresh process, in rounds (every stage of a model once per round),
 as `runs/{model}-{stage}`, `runs/{model}-{stage}-r2`, ...; the row pools their steps and its 95 % intervals
-include how much the runs differ (`recipes/bench_report.py`). On CUDA, BERT's BF16 stages default to 3 runs, and
-so do GPT-2's and Llama's `fused_full`, `torch_fused` and `auto` (the rows the `auto` comparison reads).
+include how much the runs differ (`recipes/bench_report.py`). On CUDA, BERT's BF16 stages but `fastest` default to
+3 runs, and so do GPT-2's and Llama's `fused_full`, `torch_fused` and `auto` (the rows the `auto` comparison reads).
 Every other round runs each plain-loop reference before its Trainer run instead of after it.
 
 `--nproc` takes one or more world sizes: each model and stage then runs once per size (n > 1 under torchrun,
@@ -138,13 +138,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--repeats",
-        type=world_size,
+        type=positive_int,
         default=None,
         metavar="N",
         help="runs per row, each a fresh process, interleaved with the other stages' runs of the model; the row "
-        "pools them and its intervals include how much runs differ (default on CUDA: 3 for BERT's BF16 stages, "
-        "whose host-bound steps vary between processes, and for the causal LMs' fused_full, torch_fused and auto, "
-        "which the auto comparison reads; 1 elsewhere; on CPU: 1)",
+        "pools them and its intervals include how much runs differ (default on CUDA: 3 for BERT's BF16 stages but "
+        "fastest, whose host-bound steps vary between processes, and for the causal LMs' fused_full, torch_fused "
+        "and auto, which the auto comparison reads; 1 elsewhere; on CPU: 1)",
     )
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed warm-up steps (default 10 on CUDA, 2 on CPU)"
@@ -196,6 +196,12 @@ def parse_args(argv=None):
     return opts
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return int(text)
+
+
 def world_size(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes >= 1")
@@ -215,9 +221,7 @@ def repeats(name: str, stage: str, opts) -> int:
     if opts.repeats:
         return opts.repeats
     spec = MODELS[name]
-    if opts.tiny or stage not in spec.get("repeat_stages", STAGES):
-        return 1
-    return spec.get("repeats" if STAGES[stage].bf16 else "fp32_repeats", 1)
+    return 1 if opts.tiny or stage not in spec["repeat_stages"] else spec["repeats"]
 
 
 def model_batch(text: str) -> tuple[str, int]:

@@ -94,7 +94,12 @@ def main(out_json: str, argv: list[str]) -> dict:
     timed = args.autotune or args.attention_backend == "fastest"
     tuner = Autotuner(DecisionCache(args.autotune_cache)) if timed else None
     if args.apex_fused_norms:
-        rewire(model, chooser=tuner.choose_norm if args.autotune else None, compiled=args.torch_compile)
+        rewire(
+            model,
+            strict_kernels=args.apex_strict_kernels,
+            chooser=tuner.choose_norm if args.autotune else None,
+            compiled=args.torch_compile,
+        )
     if args.fused_linear_cross_entropy:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
     if args.compile_rotary_once:
@@ -184,7 +189,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
-        model.zero_grad(set_to_none=True)  # apex FusedAdam.zero_grad() takes no set_to_none
+        model.zero_grad(set_to_none=True)
         timer.stop()
         losses.append(loss.detach().clone() if graphs else loss.detach())  # (a graph output: replays reuse it)
         # The Trainer reads the loss when it logs; so does this loop, as ApexTrainer does: a logging step's loss

@@ -638,3 +638,11 @@ def test_the_norm_probe_runs_under_the_pass_autocast(fake_apex):
     seen.clear()
     autotune.norm_probe(model[0], x.float(), None)[0](APEX)
     assert seen == [(False, torch.get_autocast_dtype("cpu"))]
+
+
+def test_an_untimed_optimizer_decision_keeps_every_reason(tmp_path):
+    tuner = Autotuner(DecisionCache(tmp_path / "cache.json"))
+    kwargs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "capturable": True}
+    assert tuner.choose_optimizer(torch.nn.Linear(2, 2), kwargs, blocked="no CUDA GPU") == APEX
+    (decision,) = tuner.decisions
+    assert decision.reason == "not timed: apex cannot run here (no CUDA GPU); apex-only options ['capturable']"
