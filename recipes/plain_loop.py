@@ -100,7 +100,7 @@ def main(out_json: str, argv: list[str]) -> dict:
             chooser=tuner.choose_norm if args.autotune else None,
             compiled=args.torch_compile,
         )
-    if args.fused_linear_cross_entropy:
+    if args.fused_linear_cross_entropy and not args.fp16:  # as ApexTrainer: FP16 autocast keeps the stock loss
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
     if args.compile_rotary_once:
         compute_rotary_once(model)  # as ApexTrainer: a RoPE model's cos/sin once per compiled forward
