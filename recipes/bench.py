@@ -163,7 +163,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--nproc",
         nargs="+",
-        type=world_size,
+        type=positive_int,
         default=[1],
         metavar="N",
         help="processes (GPUs) per run, one or more sizes (e.g. --nproc 1 2): every model and stage runs at each, "
@@ -199,12 +199,6 @@ def parse_args(argv=None):
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return int(text)
-
-
-def world_size(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes >= 1")
     return int(text)
 
 
