@@ -11,7 +11,6 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
-from .measure.report import compile_mode
 from .stages import APEX_OPTIMIZERS, RECOMPUTE_CHOICES, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
@@ -35,20 +34,35 @@ def mode_records_cuda_graphs(mode: str | None) -> bool:
     return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
 
 
+# torch.compile's backend that runs the traced graphs' own kernels under CUDA graphs (cudagraph trees, as the modes
+# above), without Inductor's code generation.
+CUDA_GRAPHS_BACKEND = "cudagraphs"
+
+
+def _graph_setting(args) -> str | None:
+    """The setting of ``args`` that records CUDA graphs, as ``name=value`` (None when none does)."""
+    if getattr(args, "torch_compile_backend", None) == CUDA_GRAPHS_BACKEND:
+        return f"torch_compile_backend={CUDA_GRAPHS_BACKEND!r}"
+    if mode_records_cuda_graphs(args.torch_compile_mode):
+        return f"torch_compile_mode={args.torch_compile_mode!r}"
+    return None
+
+
 def refuse_accumulation_under_cuda_graphs(args) -> None:
     """A ``ValueError`` for a run that would accumulate gradients over micro-batches under CUDA graphs."""
-    if args.gradient_accumulation_steps > 1 and mode_records_cuda_graphs(args.torch_compile_mode):
+    setting = _graph_setting(args) if args.gradient_accumulation_steps > 1 else None
+    if setting:
         raise ValueError(
-            f"torch_compile_mode={args.torch_compile_mode!r} records CUDA graphs, which {GRAPHS_CANNOT_ACCUMULATE}: "
-            "set gradient_accumulation_steps=1, or a mode without CUDA graphs (torch's default, "
-            "max-autotune-no-cudagraphs)."
+            f"{setting} records CUDA graphs, which {GRAPHS_CANNOT_ACCUMULATE}: set gradient_accumulation_steps=1, "
+            "or compile without CUDA graphs (torch's default mode and backend, max-autotune-no-cudagraphs)."
         )
 
 
 def uses_cuda_graphs(args) -> bool:
-    """Whether a run compiles with CUDA graphs. A graph's outputs live in memory that its next replay reuses, so a
-    training loop marks where each step begins (``torch.compiler.cudagraph_mark_step_begin``)."""
-    return mode_records_cuda_graphs(compile_mode(args))
+    """Whether a run compiles with CUDA graphs (a mode that records them, or the ``cudagraphs`` backend). A graph's
+    outputs live in memory that its next replay reuses, so a training loop marks where each step begins
+    (``torch.compiler.cudagraph_mark_step_begin``)."""
+    return bool(getattr(args, "torch_compile", False) and _graph_setting(args))
 
 
 @dataclass

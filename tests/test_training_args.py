@@ -6,6 +6,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_apex import STAGES, ApexTrainingArguments
+from hf_apex.training_args import uses_cuda_graphs
 
 
 def make(**kw):
@@ -74,6 +75,12 @@ def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
     # Modes without CUDA graphs accumulate as they do anywhere
     assert make(stage="fastest", torch_compile_mode="max-autotune-no-cudagraphs", gradient_accumulation_steps=2)
     assert make(stage="fastest", gradient_accumulation_steps=1).torch_compile_mode == "reduce-overhead"
+    # torch.compile's cudagraphs backend records CUDA graphs too (cudagraph trees, without Inductor)
+    with pytest.raises(ValueError, match="torch_compile_backend='cudagraphs' records CUDA graphs"):
+        make(stage="compiled", torch_compile_backend="cudagraphs", gradient_accumulation_steps=2)
+    graphed = make(stage="compiled", torch_compile_backend="cudagraphs")
+    assert uses_cuda_graphs(graphed) and not uses_cuda_graphs(make(stage="compiled"))
+    assert uses_cuda_graphs(make(stage="fastest")) and not uses_cuda_graphs(make(stage="torch_fused"))
 
 
 def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to():
