@@ -1,0 +1,58 @@
+"""Run a recipe compiled, with an eager stage's switches and hf_apex's swapped norms calling apex's own traceable entry
+point inside the graphs: an experiment, not hf_apex's path (which runs the stock op under torch.compile, for Inductor
+to fuse).
+
+usage: STAGE_SWITCHES=<stage> python benchmarks/scripts/apex_norms_in_graphs.py SCRIPT [flags...]
+       (SCRIPT: e.g. recipes/finetune.py; or WRAPPER=benchmarks/scripts/apex_norms_in_graphs.py with run_variant.py)
+
+The recipe's `--stage` is replaced by the switches of STAGE_SWITCHES (e.g. `fused_full`: apex FusedAdam, apex's
+norms, BF16) with `torch_compile` on; pass `--torch_compile_backend cudagraphs` to replay the traced kernels under
+CUDA graphs without Inductor. A swapped LayerNorm or RMSNorm then calls apex's `fused_layer_norm_affine` or
+`fused_rms_norm_affine` (its autocast cast, then its `torch.library` custom op) where it would run the stock op. With
+apex's dispatch cost off the host (the graphs replay it), this asks what apex's norms buy on a step that no longer
+waits on the host (BERT-base 128 x 128 on an H200: eager `fused_full` reached a device floor of ~30 ms, against
+`torch_fused`'s ~35 ms, and ran at 40-50 ms).
+"""
+
+import os
+import runpy
+import sys
+
+import torch
+from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+
+from hf_apex import STAGES
+from hf_apex.kernels import norms
+
+
+def stage_flags(name: str) -> list[str]:
+    """The command-line switches of stage ``name``, with torch_compile on."""
+    settings = STAGES[name].settings() | {"torch_compile": True}
+    return [arg for key, value in settings.items() if value is not None for arg in (f"--{key}", str(value))]
+
+
+def without_stage(argv: list[str]) -> list[str]:
+    if "--stage" not in argv:
+        return argv
+    i = argv.index("--stage")
+    return argv[:i] + argv[i + 2 :]
+
+
+_stock_forward = norms._ApexNorm.forward
+
+
+def forward(self, x):
+    if torch.compiler.is_compiling():
+        if self.hf_apex_component == "layer_norm" and getattr(self, "weight", None) is not None:
+            return fused_layer_norm_affine(x, self.weight, self.bias, list(self.normalized_shape), self.eps)
+        if self.hf_apex_component == "rms_norm":
+            return fused_rms_norm_affine(x, self.weight, list(self.weight.shape), norms.rms_norm_eps(self))
+    return _stock_forward(self, x)
+
+
+if __name__ == "__main__":
+    norms._ApexNorm.forward = forward
+    script, *argv = sys.argv[1:]
+    sys.argv = [script, *without_stage(argv), *stage_flags(os.environ.get("STAGE_SWITCHES", "fused_full"))]
+    print(f"apex_norms_in_graphs: {' '.join(sys.argv[1:])}", flush=True)
+    runpy.run_path(script, run_name="__main__")
