@@ -315,21 +315,29 @@ def _loss_delta(row: BenchRow, base: BenchRow) -> float | None:
     return sum(mine - other for mine, other in common) / len(common)
 
 
+def _against(row: BenchRow, other: BenchRow) -> dict:
+    """``row``'s median step time relative to ``other``'s, with its 95 % interval where the steps give one."""
+    diff = relative_difference(row.timed_steps_ms, other.timed_steps_ms)
+    return diff or {"value": row.step_time_ms_p50 / other.step_time_ms_p50 - 1, "lo": None, "hi": None}
+
+
 def auto_comparisons(rows: list[BenchRow]) -> list[dict]:
     """Per model and world size: auto's median step time against the faster of ``AUTO_RIVALS`` run on as many
-    processes, with its 95 % interval."""
+    processes, with its 95 % interval; and the slower rival against the faster (``rivals``), which says whether the
+    bench told the two apart at all. Where it did not, which of them is "the faster" is the bench's chance, and so
+    is part of auto's verdict."""
     out = []
     for model, size in dict.fromkeys((r.model, r.world_size) for r in rows):
         same = [r for r in rows if r.model == model and r.world_size == size]
         mine = {r.stage: r for r in same if r.step_time_ms_p50 is not None}
-        rivals = [mine[s] for s in AUTO_RIVALS if s in mine]
+        rivals = sorted((mine[s] for s in AUTO_RIVALS if s in mine), key=lambda r: r.step_time_ms_p50)
         if "auto" not in mine or not rivals:
             continue
-        best = min(rivals, key=lambda r: r.step_time_ms_p50)
-        diff = relative_difference(mine["auto"].timed_steps_ms, best.timed_steps_ms)
-        if diff is None:
-            diff = {"value": mine["auto"].step_time_ms_p50 / best.step_time_ms_p50 - 1, "lo": None, "hi": None}
-        out.append({"model": model, "world_size": size, "auto_vs": best.stage, **diff})
+        best, *others = rivals
+        verdict = {"model": model, "world_size": size, "auto_vs": best.stage, **_against(mine["auto"], best)}
+        if others:
+            verdict["rivals"] = {"slower": others[0].stage, **_against(others[0], best)}
+        out.append(verdict)
     return out
 
 
@@ -376,9 +384,16 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
         )
     for c in auto_comparisons(rows):
         gpus = f" ({c['world_size']} GPUs)" if c["world_size"] > 1 else ""
+        rivals = c.get("rivals")
+        told = (
+            f"; {rivals['slower']} against {c['auto_vs']}: "
+            f"{rivals['value']:+.1%}{_interval_text(rivals['lo'], rivals['hi'], '+.1%')}"
+            if rivals
+            else ""
+        )
         lines.append(
             f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
-            f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time"
+            f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
     lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
     if any(r.step_time_ms_ci for r in rows):

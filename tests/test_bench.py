@@ -154,10 +154,18 @@ def test_trainer_overhead_and_auto_verdict_carry_intervals():
     assert 0 < lo < full.trainer_overhead < hi and full.trainer_overhead == pytest.approx(0.05, abs=0.01)
     (verdict,) = auto_comparisons(rows)
     assert verdict["auto_vs"] == "fused_full" and verdict["lo"] < 0 < verdict["hi"]
+    # ...and whether the bench told the two rivals apart (45 against 42 ms: it did)
+    rivals = verdict["rivals"]
+    assert rivals["slower"] == "torch_fused" and 0 < rivals["lo"] < rivals["value"] < rivals["hi"]
+    assert rivals["value"] == pytest.approx(45 / 42 - 1, abs=0.02)
     table = format_table(rows)
     assert re.search(r"\| fused_full \| 4\d\.\d \[4\d\.\d, 4\d\.\d\] \|", table)
     assert re.search(r"\| \+\d\.\d% \[\+\d\.\d%, \+\d\.\d%\] \|", table)
-    assert "bert: auto vs fused_full (the faster of fused_full, torch_fused): " in table
+    assert re.search(
+        r"bert: auto vs fused_full \(the faster of fused_full, torch_fused\): [+-]\d\.\d% \[[^]]+\] in median step "
+        r"time; torch_fused against fused_full: \+\d\.\d% \[\+\d\.\d%, \+\d\.\d%\]",
+        table,
+    )
     assert table.endswith(
         "95 % intervals: one run per row, its steps resampled in blocks of 10: such an interval leaves out how much a "
         "second run of the same row could differ (--repeats N runs each row N times, interleaved)."
