@@ -5,21 +5,20 @@ to fuse).
 usage: STAGE_SWITCHES=<stage> python benchmarks/scripts/apex_norms_in_graphs.py SCRIPT [flags...]
        (SCRIPT: e.g. recipes/finetune.py; or WRAPPER=benchmarks/scripts/apex_norms_in_graphs.py with run_variant.py)
 
-The recipe's `--stage` is replaced by the switches of STAGE_SWITCHES (e.g. `fused_full`: apex FusedAdam, apex's
-norms, BF16) with `torch_compile` on; pass `--torch_compile_backend cudagraphs` to replay the traced kernels under
-CUDA graphs without Inductor. A swapped LayerNorm or RMSNorm then calls apex's `fused_layer_norm_affine` or
-`fused_rms_norm_affine` (its autocast cast, then its `torch.library` custom op) where it would run the stock op. With
-apex's dispatch cost off the host (the graphs replay it), this asks what apex's norms buy on a step that no longer
-waits on the host (BERT-base 128 x 128 on an H200: eager `fused_full` reached a device floor of ~30 ms, against
-`torch_fused`'s ~35 ms, and ran at 40-50 ms).
-"""
+The recipe's `--stage` is replaced by the switches of STAGE_SWITCHES (e.g. `fused_full`: apex FusedAdam, apex's norms,
+BF16) with `torch_compile` on; pass `--torch_compile_backend cudagraphs` to replay the traced kernels under CUDA
+graphs without Inductor. A swapped LayerNorm or RMSNorm then calls apex's `torch.library` custom op
+(`apex::fused_layer_norm_affine_fwd` or `apex::fused_rms_norm_affine_fwd`), after the cast to the autocast dtype that
+hf_apex's eager path makes, where it would run the stock op. With apex's dispatch cost off the host (the graphs replay
+it), this asks what apex's norms buy on a step that no longer waits on the host (BERT-base 128 x 128 on an H200: eager
+`fused_full` reached a device floor of ~30 ms, against `torch_fused`'s ~35 ms, and ran at 40-50 ms)."""
 
 import os
 import runpy
 import sys
 
 import torch
-from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+from apex.normalization.fused_layer_norm import fused_layer_norm_affine_fwd, fused_rms_norm_affine_fwd
 
 from hf_apex import STAGES
 from hf_apex.kernels import norms
@@ -42,12 +41,21 @@ _stock_forward = norms._ApexNorm.forward
 
 
 def forward(self, x):
-    if torch.compiler.is_compiling():
-        if self.hf_apex_component == "layer_norm" and getattr(self, "weight", None) is not None:
-            return fused_layer_norm_affine(x, self.weight, self.bias, list(self.normalized_shape), self.eps)
-        if self.hf_apex_component == "rms_norm":
-            return fused_rms_norm_affine(x, self.weight, list(self.weight.shape), norms.rms_norm_eps(self))
-    return _stock_forward(self, x)
+    if not torch.compiler.is_compiling():
+        return _stock_forward(self, x)
+    if self.hf_apex_component == "layer_norm" and getattr(self, "weight", None) is not None:
+        op, tensors, rest = fused_layer_norm_affine_fwd, (x, self.weight, self.bias), (self.eps,)
+        shape = list(self.normalized_shape)
+    elif self.hf_apex_component == "rms_norm":
+        op, tensors, rest = fused_rms_norm_affine_fwd, (x, self.weight), (norms.rms_norm_eps(self),)
+        shape = list(self.weight.shape)
+    else:
+        return _stock_forward(self, x)
+    # apex's semantics, as hf_apex's eager path has them: under autocast, input, weight and bias in its dtype
+    if torch.is_autocast_enabled("cuda"):
+        tensors = tuple(t.to(torch.get_autocast_dtype("cuda")) for t in tensors)
+    with torch.autocast("cuda", enabled=False):
+        return op(*tensors, shape, *rest)[0]
 
 
 if __name__ == "__main__":
