@@ -126,9 +126,8 @@ class WideEpsLayerNorm(torch.nn.Module):
 
 
 def test_a_weightless_norm_runs_the_kernel_with_the_eps_its_class_hard_codes(torch_extension, monkeypatch):
-    monkeypatch.setitem(
-        norms.WEIGHTLESS_LAYER_NORMS, "WideEpsLayerNorm", 1e-2
-    )  # checked by surgery, used by the kernel
+    # the one home of a weightless norm's eps: surgery checks it, the kernel uses it
+    monkeypatch.setitem(norms.WEIGHTLESS_LAYER_NORMS, "WideEpsLayerNorm", 1e-2)
     monkeypatch.setattr(norms, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
     monkeypatch.setattr(norms, "_load_extension", lambda: None)
     model = torch.nn.Sequential(WideEpsLayerNorm(16))
