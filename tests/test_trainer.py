@@ -285,21 +285,26 @@ def test_torch_fused_stage_uses_torch_fused_adamw(tmp_path):
     assert metrics["run"]["precision"] == "bf16" and metrics["kernels"]["calls"] == {}
 
 
-# Gradient accumulation without CUDA graphs; with them, one micro-batch per step (they cannot accumulate)
-@pytest.mark.parametrize("mode, accumulation", [(None, 2), ("reduce-overhead", 1)])
-def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch, mode, accumulation):
+# Gradient accumulation without CUDA graphs; with them, one micro-batch per step (they cannot accumulate). Graphs come
+# from a mode that records them, or from torch's cudagraphs backend (no code generation; on a CPU it runs the traced
+# kernels without graphs).
+@pytest.mark.parametrize(
+    "backend, mode, accumulation", [("eager", None, 2), ("eager", "reduce-overhead", 1), ("cudagraphs", None, 1)]
+)
+def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch, backend, mode, accumulation):
     # The eager backend traces with Dynamo without generating code, which keeps this CPU test fast.
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    compiled = dict(stage="compiled", torch_compile_backend="eager", torch_compile_mode=mode)
+    compiled = dict(stage="compiled", torch_compile_backend=backend, torch_compile_mode=mode)
     args = train_args(tmp_path, **compiled, gradient_accumulation_steps=accumulation)
     trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     trainer.train()
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
     assert metrics["run"]["torch_compile"] is True and metrics["run"]["first_step_ms"] > 0
     assert metrics["run"]["torch_compile_mode"] == mode  # the mode asked for ("reduce-overhead": CUDA graphs on a GPU)
+    assert metrics["run"]["torch_compile_backend"] == backend
     # With CUDA graphs each optimizer step marks a new step (its outputs, the gradients among them, are done with)
-    assert len(marks) == (args.max_steps if mode else 0)
+    assert len(marks) == (args.max_steps if mode or backend == "cudagraphs" else 0)
     assert metrics["rewire"] is None  # native norms under compile
     assert len(metrics["loss_history"]) == 6
 

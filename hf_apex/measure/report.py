@@ -118,6 +118,9 @@ def run_summary(
             "optimizer": optimizer,
             "torch_compile": bool(getattr(args, "torch_compile", False)),
             "torch_compile_mode": compile_mode(args),
+            "torch_compile_backend": getattr(args, "torch_compile_backend", None)
+            if getattr(args, "torch_compile", False)
+            else None,
             # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
             "first_step_ms": records[0].ms if records else None,
             "seed": args.seed,

@@ -1,6 +1,7 @@
 """Beyond-seed rungs on the GPU: `auto` decides per component and a second trainer takes the same decisions from
 the cache (GPT-2, whose residual stream stays fp32, and BERT, whose norms hand bf16 to the next norm); `compiled`
-follows the eager BF16 loss curve."""
+follows the eager BF16 loss curve, and so does torch.compile's cudagraphs backend (the eager kernels under CUDA
+graphs)."""
 
 import json
 
@@ -90,6 +91,19 @@ def test_fastest_follows_the_eager_bf16_loss_curve_in_less_memory(tmp_path):
     # No logits held (8 x 512 x 50,257: 0.4 GB in BF16, 0.8 GB in FP32); by how much Inductor's own loss keeps
     # fewer is not known, hence only "less" (tests/gpu/test_loss_gpu.py holds the margin at GPT-2 124M's size)
     assert fastest["peak_memory_allocated_gib"] < compiled["peak_memory_allocated_gib"]
+
+
+def test_the_cudagraphs_backend_replays_the_eager_kernels_along_their_loss_curve(tmp_path):
+    # torch.compile's cudagraphs backend runs the traced kernels themselves (no code generation) under CUDA graphs:
+    # the eager maths, so the curve holds to torch_fused's, and each step is marked for the graphs (a BERT step
+    # without the marks, or that reads a graph's overwritten output, stops with an error)
+    eager = train(tmp_path / "eager", "torch_fused", model_name="bert")
+    graphed = train(tmp_path / "graphed", "compiled", model_name="bert", torch_compile_backend="cudagraphs")
+    assert graphed["run"]["torch_compile"] and graphed["run"]["torch_compile_backend"] == "cudagraphs"
+    agreement = loss_curve_agreement(
+        [h["loss"] for h in graphed["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
+    )
+    assert len(graphed["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
 
 
 def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_path):
