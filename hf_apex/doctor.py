@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .kernels import attention
-from .kernels.availability import EXTENSIONS, blocker, environment, extension_error, fix_for, is_apex_available
+from .kernels.availability import EXTENSION_NAMES, blocker, environment, extension_error, fix_for, is_apex_available
 
 
 def nvcc_version() -> str | None:
@@ -93,9 +93,7 @@ def collect(proof: bool = True) -> dict:
     report: dict = {
         **env,
         "nvcc": nvcc_version(),
-        "extensions": {name: extension_error(name) or "ok" for name in sorted(set(EXTENSIONS.values()))}
-        if is_apex_available()
-        else {},
+        "extensions": {name: extension_error(name) or "ok" for name in EXTENSION_NAMES} if is_apex_available() else {},
         "backends": _backends(),
     }
     if proof:  # informational: what --attention_backend can put first here (not an apex problem either way)

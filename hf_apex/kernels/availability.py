@@ -37,6 +37,7 @@ EXTENSIONS = {
     "layer_norm": "fused_layer_norm_cuda",
     "rms_norm": "fused_layer_norm_cuda",
 }
+EXTENSION_NAMES = sorted(set(EXTENSIONS.values()))  # the compiled extensions hf_apex loads
 BUILD_RECORD = "_hf_apex_build.json"  # written next to the installed apex package by `make apex`
 NO_GPU = "no CUDA GPU is visible"  # the blockers that a GPU removes
 CPU_TENSORS = "tensors (apex kernels need CUDA tensors)"
