@@ -59,7 +59,11 @@ def forward(self, x):
 
 
 if __name__ == "__main__":
-    norms._ApexNorm.forward = forward
+    # runpy hands `__main__` to the recipe, and Dynamo's guards look this function's globals up by module name:
+    # take it from this file imported under its own name
+    import apex_norms_in_graphs
+
+    norms._ApexNorm.forward = apex_norms_in_graphs.forward
     script, *argv = sys.argv[1:]
     sys.argv = [script, *without_stage(argv), *stage_flags(os.environ.get("STAGE_SWITCHES", "fused_full"))]
     print(f"apex_norms_in_graphs: {' '.join(sys.argv[1:])}", flush=True)
