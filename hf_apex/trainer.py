@@ -66,8 +66,14 @@ from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
+from .kernels.trace import APEX, TORCH
 from .measure.callback import StageMetricsCallback
-from .training_args import ApexTrainingArguments, refuse_accumulation_under_cuda_graphs, uses_cuda_graphs
+from .training_args import (
+    ApexTrainingArguments,
+    graph_norm_kernel,
+    refuse_accumulation_under_cuda_graphs,
+    uses_cuda_graphs,
+)
 
 logger = logging.getLogger("hf_apex")
 
@@ -108,10 +114,11 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
         )
     if not args.apex_strict_kernels:
         return
-    if args.apex_fused_norms and args.torch_compile:
+    if args.apex_fused_norms and args.torch_compile and graph_norm_kernel(args) == TORCH:
         raise ValueError(
-            "apex_strict_kernels=True with apex_fused_norms and torch_compile: under torch.compile the swapped "
-            "norms run the torch op inside the graph, not apex's kernel. Drop one of the three."
+            "apex_strict_kernels=True with apex_fused_norms and torch_compile: under Inductor the swapped norms run "
+            "the torch op inside the graph, not apex's kernel. Drop one of the three, or compile with "
+            "torch_compile_backend='cudagraphs' (apex's norms inside CUDA graphs)."
         )
     wanted = ["fused_adam"] * (args.apex_optimizer != "none") + ["layer_norm"] * args.apex_fused_norms
     device = args.device if torch.cuda.is_available() else None  # no GPU at all is the blocker to name
@@ -350,7 +357,7 @@ class ApexTrainer(Trainer):
             self.sdpa_backend = self.args.attention_backend
         if self.model_init is None:
             self._apply_model_switches(self.model)
-        if self.args.apex_fused_norms and self.args.torch_compile:
+        if self.args.apex_fused_norms and self.args.torch_compile and graph_norm_kernel(self.args) == TORCH:
             logger.warning(
                 "hf_apex: torch_compile is on, so the swapped norms run the torch op inside the compiled graph "
                 "(Inductor fuses it), not apex's kernel. This is recorded in the metrics JSON."
@@ -387,7 +394,7 @@ class ApexTrainer(Trainer):
                 use_static_masks(self.model, on=False)
 
     def _tunes_norms_in_step(self) -> bool:
-        # Not under torch.compile (the stock op runs in the graph), FSDP (a forward on one rank would hang the
+        # Not under torch.compile (the graphs run the op graph_norm_kernel names), FSDP (a forward on one rank would hang the
         # others) or activation checkpointing (reentrant checkpoints refuse autograd.grad): there each norm type
         # is timed alone instead.
         args = self.args
@@ -538,6 +545,7 @@ class ApexTrainer(Trainer):
             strict_kernels=self.args.apex_strict_kernels,
             chooser=self._choose_norm if self.args.autotune else None,
             compiled=self.args.torch_compile,
+            graph_kernel=graph_norm_kernel(self.args),
         )
         if report.num_swapped == 0:
             logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
@@ -615,11 +623,21 @@ class ApexTrainer(Trainer):
             extra=self._metrics_sections,
         )
 
+    def _norms_in_graphs(self) -> str:
+        inside = {m.hf_apex_graph_kernel for m in self.model.modules() if is_swapped(m)}
+        if APEX in inside:
+            return "apex's kernel inside the CUDA graphs (the cudagraphs backend: no code generation)" + (
+                "; the stock op where apex's kernel cannot run" if TORCH in inside else ""
+            )
+        if graph_norm_kernel(self.args) == APEX:
+            return f"stock torch op inside the CUDA graphs (apex's kernel cannot run: {blocker('layer_norm')})"
+        return "stock torch op inside the compiled graph (Inductor)"
+
     def _metrics_sections(self) -> dict:
         """What the trainer adds to the metrics JSON at the end of a run."""
         kernels = {}
         if self.args.apex_fused_norms and self.args.torch_compile:
-            kernels["norms_under_torch_compile"] = "stock torch op inside the compiled graph (Inductor)"
+            kernels["norms_under_torch_compile"] = self._norms_in_graphs()
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
         elif partitioner_settings(self.args, self.model):

@@ -8,9 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
+from .kernels.trace import APEX, TORCH
 from .stages import APEX_OPTIMIZERS, RECOMPUTE_CHOICES, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
@@ -58,6 +60,14 @@ def refuse_accumulation_under_cuda_graphs(args) -> None:
         )
 
 
+def graph_norm_kernel(args) -> str:
+    """What the swapped norms run inside this run's ``torch.compile`` graphs: apex's kernel under the ``cudagraphs``
+    backend, which replays the traced kernels as they are (on an H200, BERT-base 128 x 128's step took 30.2 ms with
+    apex's norms in the graphs against 35.5 ms with torch's, whose autocast runs them in FP32), else the stock op,
+    which Inductor fuses with its neighbours (measured faster there than apex's op in the graph)."""
+    return APEX if getattr(args, "torch_compile_backend", None) == CUDA_GRAPHS_BACKEND else TORCH
+
+
 def uses_cuda_graphs(args) -> bool:
     """Whether a run compiles with CUDA graphs (a mode that records them, or the ``cudagraphs`` backend). A graph's
     outputs live in memory that its next replay reuses, so a training loop marks where each step begins
@@ -76,16 +86,17 @@ class ApexTrainingArguments(TrainingArguments):
         stage (`str` or `None`, *optional*, defaults to `None`):
             One of `hf_apex.STAGES`: the seed's `baseline`, `fused_adam`, `fused_adam_ln`, `fused_full`, then
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
-            `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `fused_linear_cross_entropy`,
-            `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32`
-            and the AMP flags;
+            `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `torch_compile_backend`,
+            `fused_linear_cross_entropy`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`,
+            `attention_backend`, `tf32` and the AMP flags;
             setting any of them to something the stage contradicts raises `ValueError` (`torch_compile_mode`,
-            `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once` and `attention_backend`
-            excepted: the stage's value
-            is a default, and a mode on a stage that does not compile is an error). `fastest` compiles with CUDA
-            graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not
-            measured there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records
-            them is then a `ValueError`). `None` leaves every switch to you.
+            `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once` and
+            `attention_backend` excepted: the stage's value is a default, and a mode or backend on a stage that does
+            not compile is an error). `fastest` compiles with CUDA graphs (`"reduce-overhead"`) in a single process
+            and with torch's default mode under DDP or FSDP (not measured there) or gradient accumulation (which
+            CUDA graphs cannot do: a mode of yours that records them is then a `ValueError`). `auto` replays its
+            eager kernels as CUDA graphs (the `cudagraphs` backend, apex's norms inside) in a single process on a
+            GPU without gradient accumulation, and runs eager elsewhere. `None` leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
 
@@ -120,7 +131,7 @@ class ApexTrainingArguments(TrainingArguments):
             With `torch_compile`: when the run has fewer optimizer steps than this (`max_steps`, or the epochs over
             a dataset of known length), it runs eager and the log and the metrics JSON say why. Compilation took
             21-29 s per model on an H200 and paid off against eager BF16 after ~400-2,150 steps. `None` (or 0)
-            compiles whenever asked; the `fastest` stage sets 500, which a value of yours overrides.
+            compiles whenever asked; the `fastest` stage sets 500 and `auto` 2,500, which a value of yours overrides.
         compile_recompute_pointwise (`str` or `None`, *optional*, defaults to `None`):
             With `torch_compile`: `"true"` makes the backward recompute the pointwise results its matmuls read, such
             as a GELU's output, from what the forward keeps anyway (the GELU's input), instead of keeping both from
@@ -201,10 +212,11 @@ class ApexTrainingArguments(TrainingArguments):
 
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
-    > `torch_compile`, `torch_compile_mode`, `autotune`, `fused_linear_cross_entropy`, `compile_min_steps`,
-    > `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32=False`); a value you set that
-    > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `compile_min_steps`,
-    > `compile_recompute_pointwise`, `compile_rotary_once` and `attention_backend`, whose stage values are defaults.
+    > `torch_compile`, `torch_compile_mode`, `torch_compile_backend`, `autotune`, `fused_linear_cross_entropy`,
+    > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32=False`); a
+    > value you set that the stage contradicts is a `ValueError`, except for `torch_compile_mode`,
+    > `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once` and
+    > `attention_backend`, whose stage values are defaults.
     > A compile mode or backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
@@ -375,7 +387,8 @@ class ApexTrainingArguments(TrainingArguments):
         """Set every argument of the stage's row; refuse a value of yours that contradicts it."""
         stage = get_stage(self.stage)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        user_bf16, user_fp16, user_mode = self.bf16, self.fp16, self.torch_compile_mode
+        user_bf16, user_fp16 = self.bf16, self.fp16
+        user_mode, user_backend = self.torch_compile_mode, self.torch_compile_backend
         for name, value in stage.settings().items():
             current = getattr(self, name)
             current = getattr(current, "value", current)  # optim may be an OptimizerNames enum
@@ -394,16 +407,24 @@ class ApexTrainingArguments(TrainingArguments):
                     f"{name}={getattr(self, name)!r}; pick a stage that compiles (compiled, fastest)."
                 )
         processes = int(os.environ.get("WORLD_SIZE") or 1)  # set by torchrun and accelerate launch
-        if user_mode is None and stage.torch_compile_mode is not None:
+        stage_graphs = (user_mode is None and mode_records_cuda_graphs(stage.torch_compile_mode)) or (
+            user_backend is None and stage.torch_compile_backend == CUDA_GRAPHS_BACKEND
+        )
+        if stage_graphs:
             # CUDA graphs have been measured here on one process only (not with DDP's or FSDP's collectives), and
             # they cannot accumulate gradients over micro-batches (GRAPHS_CANNOT_ACCUMULATE)
             if processes > 1:
                 why = f"{processes} processes (unmeasured with more than one process)"
-            elif self.gradient_accumulation_steps > 1 and mode_records_cuda_graphs(stage.torch_compile_mode):
+            elif self.gradient_accumulation_steps > 1 and _graph_setting(self):
                 why = f"gradient_accumulation_steps={self.gradient_accumulation_steps} ({GRAPHS_CANNOT_ACCUMULATE})"
+            elif self.torch_compile_backend == CUDA_GRAPHS_BACKEND and not torch.cuda.is_available():
+                why = "no CUDA GPU to record CUDA graphs on"
             else:
                 why = None
-            if why:
+            if why and self.torch_compile_backend == CUDA_GRAPHS_BACKEND:  # graphs of the eager kernels: eager
+                logger.warning("hf_apex: stage %r: %s, so the stage runs eager, without CUDA graphs.", stage.name, why)
+                self.torch_compile, self.torch_compile_backend, self.compile_min_steps = False, None, None
+            elif why:
                 logger.warning(
                     "hf_apex: stage %r: %s, so torch.compile keeps its default mode, not the stage's %r.",
                     stage.name,

@@ -46,7 +46,7 @@ from hf_apex.trainer import (
     keep_fp32_strict,
     too_short_to_compile,
 )
-from hf_apex.training_args import uses_cuda_graphs
+from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
 
 def loss_items_counter(model, args) -> Callable[[dict], torch.Tensor | None]:
@@ -99,6 +99,7 @@ def main(out_json: str, argv: list[str]) -> dict:
             strict_kernels=args.apex_strict_kernels,
             chooser=tuner.choose_norm if args.autotune else None,
             compiled=args.torch_compile,
+            graph_kernel=graph_norm_kernel(args),
         )
     if args.fused_linear_cross_entropy and not args.fp16:  # as ApexTrainer: FP16 autocast keeps the stock loss
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)

@@ -136,3 +136,115 @@ def test_a_weightless_norm_runs_the_kernel_with_the_eps_its_class_hard_codes(tor
     assert rewire(model).num_swapped == 1
     torch.testing.assert_close(model(x), want)
     assert next(iter(model[0].hf_apex_routes.values())).backend == trace.APEX
+
+
+# Stand-ins for apex's torch.library norm ops (`apex.normalization.fused_layer_norm`), computed with torch's ops and
+# counting their calls: a graph holds an op as apex's, opaque to the compiler.
+GRAPH_OP_CALLS = {"layer_norm": 0, "rms_norm": 0}
+
+
+@torch.library.custom_op("hf_apex_test::layer_norm_affine_fwd", mutates_args=())
+def _layer_norm_affine_fwd(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, shape: list[int], eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    GRAPH_OP_CALLS["layer_norm"] += 1
+    return torch.native_layer_norm(x, shape, w, b, eps)
+
+
+@_layer_norm_affine_fwd.register_fake
+def _(x, w, b, shape, eps):
+    return torch.native_layer_norm(x, shape, w, b, eps)
+
+
+def _layer_norm_context(ctx, inputs, output):
+    x, w, b, shape, _ = inputs
+    ctx.save_for_backward(x, w, b, output[1], output[2])
+    ctx.shape = shape
+
+
+def _layer_norm_backward(ctx, dy, *_):
+    x, w, b, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, ctx.shape, mean, rstd, w, b, [True, True, True])
+    return dx, dw, db, None, None
+
+
+_layer_norm_affine_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_context)
+
+
+@torch.library.custom_op("hf_apex_test::rms_norm_affine_fwd", mutates_args=())
+def _rms_norm_affine_fwd(
+    x: torch.Tensor, w: torch.Tensor, shape: list[int], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    GRAPH_OP_CALLS["rms_norm"] += 1
+    return TorchExtension.rms_forward_affine(x, shape, w, eps)
+
+
+@_rms_norm_affine_fwd.register_fake
+def _(x, w, shape, eps):
+    return torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
+def _rms_norm_context(ctx, inputs, output):
+    x, w, shape, eps = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.shape, ctx.eps = shape, eps
+
+
+def _rms_norm_backward(ctx, dy, _):
+    x, w, invvar = ctx.saved_tensors
+    dx, dw = TorchExtension.rms_backward_affine(dy, invvar, x, ctx.shape, w, ctx.eps, False)
+    return dx, dw, None, None
+
+
+_rms_norm_affine_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_context)
+
+
+class GraphOps:
+    fused_layer_norm_affine_fwd = _layer_norm_affine_fwd
+    fused_rms_norm_affine_fwd = _rms_norm_affine_fwd
+
+
+@pytest.mark.parametrize("graph_kernel", ["apex", "torch"])
+def test_inside_a_graph_a_swapped_norm_runs_the_kernel_it_was_given(monkeypatch, graph_kernel):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hf_apex.kernels import surgery
+
+    monkeypatch.setattr(norms, "_ops", GraphOps)
+    for module in (surgery, norms):
+        monkeypatch.setattr(module, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
+    monkeypatch.setattr(surgery, "load_graph_ops", lambda: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), LlamaRMSNorm(16))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5), model[1].bias.uniform_(-0.5, 0.5), model[3].weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 8)
+
+    def step(m):
+        model.zero_grad()
+        out = m(x)
+        out.pow(2).sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = step(model)
+    rewire(model, compiled=True, graph_kernel=graph_kernel)
+    assert {m.hf_apex_graph_kernel for m in model if norms.is_swapped(m)} == {graph_kernel}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: the op breaks no graph
+    GRAPH_OP_CALLS.update(layer_norm=0, rms_norm=0)
+    got, got_grads = step(compiled)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+    ran = 1 if graph_kernel == "apex" else 0
+    assert GRAPH_OP_CALLS == {"layer_norm": ran, "rms_norm": ran}
+    said = "apex, inside CUDA graphs" if graph_kernel == "apex" else "stock op inside torch.compile"
+    assert f"kernel={said}" in repr(model[1])
+
+
+def test_apex_inside_graphs_only_where_its_kernel_runs():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16))
+    with pytest.raises(ValueError, match="graph_kernel must be"):
+        rewire(model, graph_kernel="triton")
+    rewire(model, compiled=True, graph_kernel="apex")  # on this machine apex's kernel cannot run: the stock op
+    assert model[0].hf_apex_graph_kernel == "torch" and "torch fallback" in repr(model[0])

@@ -3,10 +3,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import HfArgumentParser
 
 from hf_apex import STAGES, ApexTrainingArguments
-from hf_apex.training_args import uses_cuda_graphs
+from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
 
 def make(**kw):
@@ -37,10 +38,11 @@ def test_stage_sets_its_switches(stage, apex_optimizer, fused_norms, bf16):
     [
         ("torch_fused", "adamw_torch_fused", "none", False, False, False),
         ("compiled", "adamw_torch_fused", "none", False, True, False),
-        ("auto", "adamw_torch", "fused_adam", True, False, True),
+        ("auto", "adamw_torch", "fused_adam", True, True, True),
     ],
 )
-def test_beyond_seed_stages(stage, optim, apex_optimizer, fused_norms, compile_, autotune):
+def test_beyond_seed_stages(monkeypatch, stage, optim, apex_optimizer, fused_norms, compile_, autotune):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (auto's graphs give way on a machine without)
     args = make(stage=stage)
     assert (args.optim, args.apex_optimizer, args.apex_fused_norms) == (optim, apex_optimizer, fused_norms)
     assert (args.torch_compile, args.autotune, args.bf16, args.tf32) == (compile_, autotune, True, False)
@@ -81,6 +83,31 @@ def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
     graphed = make(stage="compiled", torch_compile_backend="cudagraphs")
     assert uses_cuda_graphs(graphed) and not uses_cuda_graphs(make(stage="compiled"))
     assert uses_cuda_graphs(make(stage="fastest")) and not uses_cuda_graphs(make(stage="torch_fused"))
+
+
+def test_auto_replays_its_eager_kernels_as_cuda_graphs_in_one_process_only(monkeypatch, caplog):
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        on_cpu = make(stage="auto")  # (this machine has no GPU)
+    assert not on_cpu.torch_compile and "stage 'auto': no CUDA GPU to record CUDA graphs on" in caplog.text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the stage's arguments only: nothing runs
+    args = make(stage="auto")
+    assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "cudagraphs", None)
+    assert uses_cuda_graphs(args) and graph_norm_kernel(args) == "apex" and args.compile_min_steps == 2500
+    assert graph_norm_kernel(make(stage="fastest")) == graph_norm_kernel(make(stage="compiled")) == "torch"
+    # A backend of yours wins (a default of the stage, as the mode is)
+    inductor = make(stage="auto", torch_compile_backend="inductor")
+    assert inductor.torch_compile_backend == "inductor" and not uses_cuda_graphs(inductor)
+    assert graph_norm_kernel(inductor) == "torch"
+    # Gradient accumulation, or more than one process: the stage runs eager (graphs of eager kernels, without them)
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        accumulating = make(stage="auto", gradient_accumulation_steps=2)
+    assert not accumulating.torch_compile and not uses_cuda_graphs(accumulating)
+    assert "stage 'auto': gradient_accumulation_steps=2" in caplog.text and "runs eager" in caplog.text
+    args.torch_compile_backend = None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args._apply_stage()
+    assert not args.torch_compile and args.compile_min_steps is None and not uses_cuda_graphs(args)
+    assert "stage 'auto': 2 processes" in caplog.text
 
 
 def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to():

@@ -12,7 +12,11 @@ bias in the autocast dtype, output in that dtype). apex's own entry points dispa
 once per module and input kind (device, dtype, autocast dtype, train/eval) and kept in a
 :class:`~hf_apex.kernels.trace.KernelRoute` that also counts the calls that ran; apex's kernel when it can run,
 else the stock ``forward`` (the exact torch op of the original model), recorded as a fallback with its reason.
-Under ``torch.compile`` and ``torch.jit`` tracing the stock op runs, so Inductor fuses it into the graph.
+Inside a ``torch.compile`` graph a swapped norm runs what ``hf_apex_graph_kernel`` says: the stock op (the default;
+Inductor fuses it with its neighbours, measured faster than apex's kernel) or, for graphs replayed as traced without
+code generation (torch.compile's ``cudagraphs`` backend), apex's kernel through its ``torch.library`` op after the
+same cast as the eager path: its dispatch cost is paid once, when the graph is recorded. ``torch.jit`` tracing runs
+the stock op.
 
 ``print(model)`` shows the new class and the route (``kernel=apex``, ``kernel=torch fallback (...)``).
 A swapped module pickles as its stock class plus the swap, so ``torch.save(model)`` loads in any process that
@@ -29,12 +33,13 @@ import torch
 from torch import nn
 
 from .availability import blocker, fix_for
-from .trace import APEX, FALLBACK, KernelRoute
+from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
 APEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _ext = None  # apex's fused_layer_norm_cuda; imported when the first apex route is built, never per call
+_ops = None  # apex.normalization.fused_layer_norm (its torch.library ops, for graphs); imported by rewire, not traced
 
 
 class ApexKernelError(RuntimeError):
@@ -45,6 +50,13 @@ def _load_extension() -> None:
     global _ext
     if _ext is None:
         _ext = importlib.import_module("fused_layer_norm_cuda")
+
+
+def load_graph_ops() -> None:
+    """Import apex's ``torch.library`` norm ops (before tracing: a graph calls them, never imports them)."""
+    global _ops
+    if _ops is None:
+        _ops = importlib.import_module("apex.normalization.fused_layer_norm")
 
 
 # Autograd functions straight over apex's extension. Under autocast (``amp``) each casts its input, weight and bias
@@ -121,11 +133,16 @@ class _ApexNorm:
     hf_apex_component = "norm"
     hf_apex_strict: bool = False  # raise instead of falling back
     hf_apex_compiled: bool = False  # the model will run under torch.compile (only changes what print shows)
+    hf_apex_graph_kernel: str = TORCH  # inside a torch.compile graph: TORCH (the stock op) or APEX (apex's op)
     hf_apex_chooser = None  # autotune: callable(module, x, amp) -> "apex" | "torch", injected by rewire()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return super().forward(x)  # the stock op inside graphs: Inductor fuses it (measured faster than apex's)
+        if torch.jit.is_tracing():
+            return super().forward(x)
+        if torch.compiler.is_compiling():
+            if self.hf_apex_graph_kernel == APEX:
+                return self._hf_apex_in_graph(x)
+            return super().forward(x)  # the stock op: Inductor fuses it (measured faster than apex's kernel)
         amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (x.device.type, x.dtype, amp, self.training)
         route = self.hf_apex_routes.get(key)
@@ -149,6 +166,19 @@ class _ApexNorm:
         _load_extension()
         backend = APEX if self.hf_apex_chooser is None else self.hf_apex_chooser(self, x, amp)
         return KernelRoute(component, backend, self.hf_apex_kernel(amp) if backend == APEX else stock_forward)
+
+    def _hf_apex_in_graph(self, x: torch.Tensor) -> torch.Tensor:
+        """apex's op inside a graph, with the eager path's semantics: under autocast, input, weight and bias cast to
+        its dtype (the casts' backward casts the gradients back)."""
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        if self._hf_apex_input_blocker(x, amp) is not None:
+            return super().forward(x)
+        with torch.autocast("cuda", enabled=False):
+            return self.hf_apex_graph_call(x if amp is None else x.to(amp), amp)
+
+    def hf_apex_graph_call(self, x: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+        """apex's ``torch.library`` op on ``x`` (already in the autocast dtype), its parameters cast to ``amp``."""
+        raise NotImplementedError
 
     def _hf_apex_input_blocker(self, x: torch.Tensor, amp: torch.dtype | None) -> str | None:
         dtype = amp or x.dtype
@@ -187,6 +217,8 @@ class _ApexNorm:
         if reason is not None:
             return f"torch fallback ({reason})"
         if self.hf_apex_compiled:
+            if self.hf_apex_graph_kernel == APEX:
+                return "apex, inside CUDA graphs (torch.compile's cudagraphs backend)"
             return "stock op inside torch.compile"
         return "apex or torch, autotuned" if self.hf_apex_chooser is not None else "apex"
 
@@ -209,6 +241,13 @@ class _LayerNormKernel(_ApexNorm):
         if self.weight is None:
             return functools.partial(_run_layer_norm, amp=amp)
         return functools.partial(_run_layer_norm_affine, amp=amp)
+
+    def hf_apex_graph_call(self, x, amp):
+        shape = list(self.normalized_shape)
+        if self.weight is None:
+            return _ops.fused_layer_norm_fwd(x, shape, self.eps)[0]
+        weight, bias = (self.weight, self.bias) if amp is None else (self.weight.to(amp), self.bias.to(amp))
+        return _ops.fused_layer_norm_affine_fwd(x, weight, bias, shape, self.eps)[0]
 
 
 def _run_layer_norm_affine(m, x, amp):
@@ -233,6 +272,10 @@ class _WeightlessLayerNormKernel(_ApexNorm):
         eps = WEIGHTLESS_LAYER_NORMS[stock_class(self).__name__]
         return functools.partial(_run_weightless, amp=amp, shape=tuple(self.normalized_shape), eps=eps)
 
+    def hf_apex_graph_call(self, x, amp):
+        eps = WEIGHTLESS_LAYER_NORMS[stock_class(self).__name__]
+        return _ops.fused_layer_norm_fwd(x, list(self.normalized_shape), eps)[0]
+
 
 def _run_weightless(m, x, amp, shape, eps):
     return _LayerNorm.apply(x, shape, eps, amp)
@@ -245,6 +288,10 @@ class _RMSNormKernel(_ApexNorm):
 
     def hf_apex_kernel(self, amp):
         return functools.partial(_run_rms_norm, amp=amp, shape=tuple(self.weight.shape), eps=rms_norm_eps(self))
+
+    def hf_apex_graph_call(self, x, amp):
+        weight = self.weight if amp is None else self.weight.to(amp)
+        return _ops.fused_rms_norm_affine_fwd(x, weight, list(self.weight.shape), rms_norm_eps(self))[0]
 
 
 def _run_rms_norm(m, x, amp, shape, eps):

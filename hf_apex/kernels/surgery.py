@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import WEIGHTLESS_LAYER_NORMS, is_swapped, rms_norm_eps, stock_class, swapped_class
+from .availability import blocker
+from .norms import WEIGHTLESS_LAYER_NORMS, is_swapped, load_graph_ops, rms_norm_eps, stock_class, swapped_class
+from .trace import APEX, TORCH
 
 logger = logging.getLogger("hf_apex")
 
@@ -159,6 +161,7 @@ def rewire(
     strict_kernels: bool = False,
     chooser: Callable | None = None,
     compiled: bool = False,
+    graph_kernel: str = TORCH,
 ) -> RewireReport:
     """Swap the norms of ``model`` for apex-backed subclasses, in place.
 
@@ -172,13 +175,19 @@ def rewire(
         chooser (`callable`, *optional*): ``chooser(module, x, amp) -> "apex" | "torch"``, asked once per module
             and input kind where apex can run (``ApexTrainer`` passes its autotuner here).
         compiled (`bool`, *optional*, defaults to `False`): the model will run under `torch.compile`, where the
-            stock op runs; only changes what `print(model)` says.
+            stock op runs unless ``graph_kernel`` says otherwise; only changes what `print(model)` says.
+        graph_kernel (`str`, *optional*, defaults to `"torch"`): what a swapped norm runs inside a `torch.compile`
+            graph: `"torch"`, the stock op (Inductor fuses it with its neighbours), or `"apex"`, apex's kernel
+            through its `torch.library` op, for graphs replayed without code generation (the `cudagraphs`
+            backend). Where apex's kernel cannot run on the module's device, the stock op.
 
     Returns:
         `RewireReport`: the swapped and skipped modules. Calling ``rewire`` again updates the options and
         forgets earlier routes (and their counts).
     """
-    report, options = RewireReport(), (strict_kernels, chooser, compiled)
+    if graph_kernel not in (TORCH, APEX):
+        raise ValueError(f"graph_kernel must be {TORCH!r} or {APEX!r}, got {graph_kernel!r}")
+    report, options = RewireReport(), (strict_kernels, chooser, compiled, graph_kernel)
     for path, module in model.named_modules():
         if is_swapped(module):
             old = stock_class(module).__name__
@@ -191,13 +200,39 @@ def rewire(
             module.__class__ = swapped_class(type(module), kind)
         else:
             continue
-        module.hf_apex_strict, module.hf_apex_chooser, module.hf_apex_compiled = options
+        module.hf_apex_strict, module.hf_apex_chooser, module.hf_apex_compiled = options[:3]
+        module.hf_apex_graph_kernel = graph_kernel if _graph_kernel_runs(module, graph_kernel) else TORCH
         module.hf_apex_reset()
         report.swapped[path] = f"{old} -> {type(module).__name__}"
     # Said once per model and options: ApexTrainer applies its switches again when training starts.
     logger.log(logging.DEBUG if getattr(model, "_hf_apex_rewired", None) == options else logging.INFO, "%s", report)
     model._hf_apex_rewired = options
     return report
+
+
+OPTION_ATTRIBUTES = (
+    "hf_apex_strict",
+    "hf_apex_chooser",
+    "hf_apex_compiled",
+    "hf_apex_graph_kernel",
+    "hf_apex_routes",
+    "hf_apex_retired",
+)
+
+
+def _graph_kernel_runs(module: nn.Module, graph_kernel: str) -> bool:
+    """Whether ``graph_kernel`` can run inside ``module``'s graphs (apex's: its kernel runs on the module's device;
+    then its ops are imported here, before any tracing)."""
+    if graph_kernel != APEX:
+        return True
+    weight = next(module.parameters(), None)
+    device = weight.device if weight is not None else None
+    if device is not None and device.type == "cpu" and torch.cuda.is_available():
+        device = None  # a model the trainer moves to the GPU after rewiring: ask about this machine
+    if blocker(module.hf_apex_component, device) is not None:
+        return False
+    load_graph_ops()
+    return True
 
 
 def unrewire(model: nn.Module) -> int:
@@ -208,7 +243,7 @@ def unrewire(model: nn.Module) -> int:
         cls = stock_class(module)
         if cls is not None:
             module.__class__ = cls
-            for name in ("hf_apex_strict", "hf_apex_chooser", "hf_apex_compiled", "hf_apex_routes", "hf_apex_retired"):
+            for name in OPTION_ATTRIBUTES:
                 module.__dict__.pop(name, None)
             restored += 1
     return restored

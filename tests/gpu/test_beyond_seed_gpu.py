@@ -1,7 +1,7 @@
 """Beyond-seed rungs on the GPU: `auto` decides per component and a second trainer takes the same decisions from
 the cache (GPT-2, whose residual stream stays fp32, and BERT, whose norms hand bf16 to the next norm); `compiled`
-follows the eager BF16 loss curve, and so does torch.compile's cudagraphs backend (the eager kernels under CUDA
-graphs)."""
+follows the eager BF16 loss curve, and so do torch.compile's cudagraphs backend (the eager kernels under CUDA
+graphs) and `auto`, which runs apex's norms inside those graphs."""
 
 import json
 
@@ -104,6 +104,22 @@ def test_the_cudagraphs_backend_replays_the_eager_kernels_along_their_loss_curve
         [h["loss"] for h in graphed["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
     )
     assert len(graphed["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
+
+
+def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve(tmp_path):
+    # auto's step under the cudagraphs backend: apex's norms inside the graphs (their kernel seen in the profiled
+    # step) and fused_full's eager maths, so the curve holds to fused_full's eager one
+    eager = train(tmp_path / "eager", "fused_full", model_name="bert")
+    auto = train(
+        tmp_path / "auto", "auto", model_name="bert", compile_min_steps=0, autotune_cache=str(tmp_path / "cache.json")
+    )
+    assert auto["run"]["torch_compile"] and auto["run"]["torch_compile_backend"] == "cudagraphs"
+    assert auto["kernels"]["norms_under_torch_compile"].startswith("apex's kernel inside the CUDA graphs"), auto
+    assert "layer_norm" in auto["kernels"]["profiled"]["apex"], auto["kernels"]["profiled"]
+    agreement = loss_curve_agreement(
+        [h["loss"] for h in auto["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
+    )
+    assert len(auto["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
 
 
 def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_path):
