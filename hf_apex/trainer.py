@@ -13,25 +13,26 @@ Override points (each calls ``super()`` and can be replaced alone):
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
 Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short to
-repay compilation, see ``compile_min_steps``; wraps the data collator so that an all-ones attention mask is left out,
-see ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions
-or those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the
-model's SDPA masks decided without reading a tensor; compiled, Dynamo's graphs dropped when they were compiled under
-other partitioner settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch
-without ``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`;
-compiled, under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's first step leaves
-accelerate's FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune, it first times the
+repay compilation, see ``compile_min_steps``, or when the ``cudagraphs`` backend has no GPU, see
+:func:`why_not_compile`; wraps the data collator so that an all-ones attention mask is left out, see
+``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions or
+those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the model's
+SDPA masks decided without reading a tensor; compiled, Dynamo's graphs dropped when they were compiled under other
+partitioner settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch without
+``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; compiled,
+under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's first step leaves accelerate's
+FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune in an eager run, it first times the
 model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`, and
-in a long run checks that choice on the whole steps that follow, see :class:`~hf_apex.autotune.NormTrial`; and
-names ``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter),
-``create_optimizer`` (under a compile mode that records CUDA graphs, each optimizer step marks the start of the next,
-see ``uses_cuda_graphs``), ``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under
-CUDA graphs, it keeps a copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires
-each new model), ``_save_checkpoint`` (writes the autotune decisions into the checkpoint) and ``evaluate`` (both
-leave their step out of autotune's trial on whole steps), ``floating_point_ops``
-(counts the parameters once, not on every micro-batch), ``_maybe_log_save_evaluate`` (on one process, a logging step's
-loss and gradient norm are copied to the host without blocking and logged at the end of the next step, see
-:class:`HostCopy`) and ``log`` (merges the stage metrics of the current logging window; local, no collective).
+in a long run checks that choice on the whole steps that follow, see :class:`~hf_apex.autotune.NormTrial`; and names
+``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
+mode or backend that records CUDA graphs, each optimizer step marks the start of the next, see ``uses_cuda_graphs``),
+``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under CUDA graphs, it keeps a
+copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires each new model),
+``_save_checkpoint`` (writes the autotune decisions into the checkpoint) and ``evaluate`` (both leave their step out of
+autotune's trial on whole steps), ``floating_point_ops`` (counts the parameters once, not on every micro-batch),
+``_maybe_log_save_evaluate`` (on one process, a logging step's loss and gradient norm are copied to the host without
+blocking and logged at the end of the next step, see :class:`HostCopy`) and ``log`` (merges the stage metrics of the
+current logging window; local, no collective).
 With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode with CUDA graphs gets the step
 marks and the logits' copies it needs, and is refused with gradient accumulation.
 """
@@ -68,7 +69,9 @@ from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .kernels.trace import APEX, TORCH
 from .measure.callback import StageMetricsCallback
+from .stages import STAGES
 from .training_args import (
+    CUDA_GRAPHS_BACKEND,
     ApexTrainingArguments,
     graph_norm_kernel,
     refuse_accumulation_under_cuda_graphs,
@@ -128,9 +131,18 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
         raise ValueError(f"apex_strict_kernels=True but apex's kernels cannot run here: {why}. {fix_for(why)}")
 
 
-def too_short_to_compile(args, train_dataset) -> str | None:
-    """Why a run asked to compile should run eager (fewer optimizer steps than ``compile_min_steps``), or None."""
-    if not isinstance(args, ApexTrainingArguments) or not args.torch_compile or not args.compile_min_steps:
+def why_not_compile(args, train_dataset) -> str | None:
+    """Why a run asked to compile should run eager, or None: fewer optimizer steps than ``compile_min_steps``, or a
+    stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) without a GPU to record them on (the
+    backend of yours compiles as asked)."""
+    if not isinstance(args, ApexTrainingArguments) or not args.torch_compile:
+        return None
+    stage_backend = STAGES[args.stage].torch_compile_backend if args.stage else None
+    if stage_backend == args.torch_compile_backend == CUDA_GRAPHS_BACKEND and (
+        args.use_cpu or not torch.cuda.is_available()
+    ):
+        return f"no CUDA GPU to record stage {args.stage!r}'s CUDA graphs on: its eager kernels run as they are"
+    if not args.compile_min_steps:
         return None
     if args.max_steps > 0:
         steps = args.max_steps
@@ -328,7 +340,7 @@ class ApexTrainer(Trainer):
         # Decided before Trainer.__init__, which hands the compile backend to accelerate for good; on a copy of
         # the arguments, so that yours stay as you made them.
         given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs)
-        self.compile_skipped = too_short_to_compile(given.arguments.get("args"), given.arguments.get("train_dataset"))
+        self.compile_skipped = why_not_compile(given.arguments.get("args"), given.arguments.get("train_dataset"))
         if self.compile_skipped:
             logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
             eager = copy.copy(given.arguments["args"])
@@ -394,7 +406,7 @@ class ApexTrainer(Trainer):
                 use_static_masks(self.model, on=False)
 
     def _tunes_norms_in_step(self) -> bool:
-        # Not under torch.compile (the graphs run the op graph_norm_kernel names), FSDP (a forward on one rank would hang the
+        # Not under torch.compile (the graphs run graph_norm_kernel's op), FSDP (a forward on one rank would hang the
         # others) or activation checkpointing (reentrant checkpoints refuse autograd.grad): there each norm type
         # is timed alone instead.
         args = self.args
@@ -630,7 +642,7 @@ class ApexTrainer(Trainer):
                 "; the stock op where apex's kernel cannot run" if TORCH in inside else ""
             )
         if graph_norm_kernel(self.args) == APEX:
-            return f"stock torch op inside the CUDA graphs (apex's kernel cannot run: {blocker('layer_norm')})"
+            return "stock torch op inside the CUDA graphs (apex's kernel cannot run on the model's device)"
         return "stock torch op inside the compiled graph (Inductor)"
 
     def _metrics_sections(self) -> dict:

@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
@@ -64,8 +63,10 @@ def graph_norm_kernel(args) -> str:
     """What the swapped norms run inside this run's ``torch.compile`` graphs: apex's kernel under the ``cudagraphs``
     backend, which replays the traced kernels as they are (on an H200, BERT-base 128 x 128's step took 30.2 ms with
     apex's norms in the graphs against 35.5 ms with torch's, whose autocast runs them in FP32), else the stock op,
-    which Inductor fuses with its neighbours (measured faster there than apex's op in the graph)."""
-    return APEX if getattr(args, "torch_compile_backend", None) == CUDA_GRAPHS_BACKEND else TORCH
+    which Inductor fuses with its neighbours (measured faster there than apex's op in the graph). TORCH when the run
+    does not compile."""
+    graphs = getattr(args, "torch_compile", False) and args.torch_compile_backend == CUDA_GRAPHS_BACKEND
+    return APEX if graphs else TORCH
 
 
 def uses_cuda_graphs(args) -> bool:
@@ -113,7 +114,8 @@ class ApexTrainingArguments(TrainingArguments):
         autotune (`bool`, *optional*, defaults to `False`):
             For each apex component switched on, time apex against torch on this GPU (the optimizer over the
             real parameter shapes; the norms on the model's forward and backward of the first batch, or, under
-            torch.compile, FSDP or activation checkpointing, each norm type alone), in turns, and use the faster;
+            FSDP or activation checkpointing, each norm type alone; under torch.compile the norms are not timed, the
+            graphs run the op the backend calls for), in turns, and use the faster;
             a backend that fails the parity check is never chosen.
             Decisions are cached in `autotune_cache` and written to the logs and the metrics JSON.
         autotune_cache (`str` or `None`, *optional*, defaults to `None`):
@@ -369,12 +371,12 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"compile_recompute_pointwise={self.compile_recompute_pointwise!r} sets what torch.compile's backward "
                 "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
-                "compiled, fastest), or drop it."
+                "compiled, fastest, auto), or drop it."
             )
         if self.compile_rotary_once and not self.torch_compile:
             raise ValueError(
                 "compile_rotary_once=True changes what torch.compile generates, but torch_compile is off: turn "
-                "torch_compile on (or pick a stage that compiles: compiled, fastest), or drop it."
+                "torch_compile on (or pick a stage that compiles: compiled, fastest, auto), or drop it."
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
@@ -404,7 +406,7 @@ class ApexTrainingArguments(TrainingArguments):
             if getattr(self, name) is not None and not stage.torch_compile:
                 raise ValueError(
                     f"stage={stage.name!r} ({stage.summary}) does not compile, but you set "
-                    f"{name}={getattr(self, name)!r}; pick a stage that compiles (compiled, fastest)."
+                    f"{name}={getattr(self, name)!r}; pick a stage that compiles (compiled, fastest, auto)."
                 )
         processes = int(os.environ.get("WORLD_SIZE") or 1)  # set by torchrun and accelerate launch
         stage_graphs = (user_mode is None and mode_records_cuda_graphs(stage.torch_compile_mode)) or (
@@ -417,13 +419,13 @@ class ApexTrainingArguments(TrainingArguments):
                 why = f"{processes} processes (unmeasured with more than one process)"
             elif self.gradient_accumulation_steps > 1 and _graph_setting(self):
                 why = f"gradient_accumulation_steps={self.gradient_accumulation_steps} ({GRAPHS_CANNOT_ACCUMULATE})"
-            elif self.torch_compile_backend == CUDA_GRAPHS_BACKEND and not torch.cuda.is_available():
-                why = "no CUDA GPU to record CUDA graphs on"
             else:
                 why = None
-            if why and self.torch_compile_backend == CUDA_GRAPHS_BACKEND:  # graphs of the eager kernels: eager
+            if why and user_backend is None and stage.torch_compile_backend == CUDA_GRAPHS_BACKEND:
+                # graphs of the eager kernels: without them, the eager kernels (a mode of yours included)
                 logger.warning("hf_apex: stage %r: %s, so the stage runs eager, without CUDA graphs.", stage.name, why)
-                self.torch_compile, self.torch_compile_backend, self.compile_min_steps = False, None, None
+                self.torch_compile, self.torch_compile_backend = False, None
+                self.torch_compile_mode = self.compile_min_steps = None
             elif why:
                 logger.warning(
                     "hf_apex: stage %r: %s, so torch.compile keeps its default mode, not the stage's %r.",

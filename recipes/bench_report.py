@@ -404,36 +404,42 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
 def compilation_costs(rows: list[BenchRow]) -> list[str]:
     """Per compiled row: its compilation, the first step's time beyond a typical step (less the eager BF16 row's
     own first-step extra, cuBLAS and allocator warm-up, when the model has a ``torch_fused`` row), and how many
-    steps repay it against that row."""
+    steps repay it against that row. Per multi-process row that compiles otherwise than its one-process row (a
+    mode without CUDA graphs; ``auto`` eager), that its scaling compares the two."""
     out = []
     for r in rows:
-        if not r.compiled or r.first_step_ms is None or r.step_time_ms_p50 is None:
-            continue
-        eager = next(
-            (e for e in rows if (e.model, e.stage, e.world_size) == (r.model, "torch_fused", r.world_size)), None
-        )
-        if eager is not None and (eager.first_step_ms is None or eager.step_time_ms_p50 is None):
-            eager = None
-        compile_ms = r.first_step_ms - r.step_time_ms_p50
-        if eager is not None:
-            compile_ms -= eager.first_step_ms - eager.step_time_ms_p50
-        saved = eager.step_time_ms_p50 - r.step_time_ms_p50 if eager is not None else None
         gpus = f" ×{r.world_size}" if r.world_size > 1 else ""
-        if saved is None:
-            repaid = ""
-        elif saved > 0:
-            repaid = f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
-        else:
-            repaid = ", never repaid against torch_fused (no faster per step)"
-        mode = f", mode {r.compile_mode}" if r.compile_mode else ""
-        out.append(f"{r.model} {r.stage}{gpus}: compilation {compile_ms / 1e3:.1f} s (first step{mode}){repaid}.")
+        if r.compiled and r.first_step_ms is not None and r.step_time_ms_p50 is not None:
+            out.append(f"{r.model} {r.stage}{gpus}: {_compilation(r, rows)}.")
         one = next((o for o in rows if (o.model, o.stage, o.world_size) == (r.model, r.stage, 1)), None)
-        if r.world_size > 1 and one is not None and one.compile_mode != r.compile_mode:
+        if r.world_size > 1 and one is not None and _compiling(one) != _compiling(r):
             out.append(
-                f"{r.model} {r.stage}{gpus}: its scaling compares torch.compile mode {r.compile_mode or 'default'} "
-                f"with the one process's {one.compile_mode or 'default'}."
+                f"{r.model} {r.stage}{gpus}: its scaling compares {_compiling(r)} with the one process's "
+                f"{_compiling(one)}."
             )
     return out
+
+
+def _compilation(r: BenchRow, rows: list[BenchRow]) -> str:
+    eager = next((e for e in rows if (e.model, e.stage, e.world_size) == (r.model, "torch_fused", r.world_size)), None)
+    if eager is not None and (eager.first_step_ms is None or eager.step_time_ms_p50 is None):
+        eager = None
+    compile_ms = r.first_step_ms - r.step_time_ms_p50
+    if eager is not None:
+        compile_ms -= eager.first_step_ms - eager.step_time_ms_p50
+    saved = eager.step_time_ms_p50 - r.step_time_ms_p50 if eager is not None else None
+    if saved is None:
+        repaid = ""
+    elif saved > 0:
+        repaid = f", repaid after {compile_ms / saved:,.0f} steps against torch_fused"
+    else:
+        repaid = ", never repaid against torch_fused (no faster per step)"
+    mode = f", mode {r.compile_mode}" if r.compile_mode else ""
+    return f"compilation {compile_ms / 1e3:.1f} s (first step{mode}){repaid}"
+
+
+def _compiling(row: BenchRow) -> str:
+    return f"torch.compile mode {row.compile_mode or 'default'}" if row.compiled else "eager steps"
 
 
 def best_against_published(rows: list[BenchRow]) -> list[str]:

@@ -44,7 +44,7 @@ from hf_apex.trainer import (
     compiled_backward_settings,
     drops_full_attention_mask,
     keep_fp32_strict,
-    too_short_to_compile,
+    why_not_compile,
 )
 from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
@@ -83,7 +83,7 @@ def main(out_json: str, argv: list[str]) -> dict:
     model = finetune.load_model(script_args, tokenizer)
     prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2
     train_ds, _, collator, _ = prepare(script_args, finetune.load_raw_data(script_args), tokenizer, model, args)
-    if too_short_to_compile(args, train_ds):  # as ApexTrainer: eager when compilation would not pay
+    if why_not_compile(args, train_ds):  # as ApexTrainer: eager when compilation would not pay, or without a GPU
         args.torch_compile = False
     device = args.device
     if hasattr(args, "use_cache"):  # as Trainer.__init__ does (False by default: no KV cache built in training)

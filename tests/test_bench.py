@@ -676,9 +676,15 @@ def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
     lines = bench_report.compilation_costs([graphs, ddp])
     assert lines[0] == f"gpt2 compiled: compilation {whole:.1f} s (first step, mode reduce-overhead)."
     assert lines[-1] == (
-        "gpt2 compiled ×2: its scaling compares torch.compile mode default with the one process's reduce-overhead."
+        "gpt2 compiled ×2: its scaling compares torch.compile mode default with the one process's torch.compile mode "
+        "reduce-overhead."
     )
     assert len(bench_report.compilation_costs([compiled, ddp])) == 2  # the same mode: nothing to say
+    # auto runs eager on several processes, its one process under CUDA graphs
+    eager_ddp = dataclasses.replace(compiled, world_size=2, compiled=False)
+    assert bench_report.compilation_costs([compiled, eager_ddp])[-1] == (
+        "gpt2 compiled ×2: its scaling compares eager steps with the one process's torch.compile mode default."
+    )
 
 
 def test_the_plain_loop_trains_without_a_kv_cache_as_the_trainer_does(

@@ -211,6 +211,7 @@ def test_inside_a_graph_a_swapped_norm_runs_the_kernel_it_was_given(monkeypatch,
     from hf_apex.kernels import surgery
 
     monkeypatch.setattr(norms, "_ops", GraphOps)
+    monkeypatch.setattr(norms, "APEX_DEVICE_TYPES", ("cuda", "cpu"))  # the stand-ins run on the CPU
     for module in (surgery, norms):
         monkeypatch.setattr(module, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
     monkeypatch.setattr(surgery, "load_graph_ops", lambda: None)
@@ -248,3 +249,33 @@ def test_apex_inside_graphs_only_where_its_kernel_runs():
         rewire(model, graph_kernel="triton")
     rewire(model, compiled=True, graph_kernel="apex")  # on this machine apex's kernel cannot run: the stock op
     assert model[0].hf_apex_graph_kernel == "torch" and "torch fallback" in repr(model[0])
+
+
+def test_inside_a_graph_apex_gives_way_where_it_cannot_run_and_is_not_pickled(monkeypatch):
+    import pickle
+
+    from hf_apex.kernels import surgery
+
+    monkeypatch.setattr(norms, "_ops", GraphOps)
+    for module in (surgery, norms):
+        monkeypatch.setattr(module, "blocker", lambda component, device=None: None)  # as if on a GPU with apex
+    monkeypatch.setattr(surgery, "load_graph_ops", lambda: None)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 8)
+    want = model(x)
+    rewire(model, compiled=True, graph_kernel="apex")
+    assert model[1].hf_apex_graph_kernel == "apex"
+    # CPU tensors (apex's ops need CUDA ones): the stock op, or an error under strict kernels
+    torch._dynamo.reset()
+    GRAPH_OP_CALLS.update(layer_norm=0, rms_norm=0)
+    torch.testing.assert_close(torch.compile(model, backend="aot_eager", fullgraph=True)(x), want)
+    assert GRAPH_OP_CALLS["layer_norm"] == 0
+    rewire(model, compiled=True, graph_kernel="apex", strict_kernels=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="apex_strict_kernels is on .* cannot run inside the graph \\(cpu tensors\\)"):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    # Another process decides for itself: the loaded module puts the stock op in its graphs until rewired
+    loaded = pickle.loads(pickle.dumps(model))
+    assert norms.is_swapped(loaded[1]) and loaded[1].hf_apex_graph_kernel == "torch"
+    surgery.unrewire(model)
+    assert "hf_apex_graph_kernel" not in vars(model[1]) and not norms.is_swapped(model[1])

@@ -1,7 +1,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from hf_apex import STAGES, ApexTrainingArguments
 from hf_apex.stages import get_stage
@@ -19,8 +18,7 @@ def test_each_seed_stage_changes_exactly_one_switch():
         assert len(changed) == 1, (prev, cur, changed)
 
 
-def test_a_stage_row_names_only_training_arguments(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (auto's graphs give way on a machine without)
+def test_a_stage_row_names_only_training_arguments():
     fields = {f.name for f in dataclasses.fields(ApexTrainingArguments)}
     for stage in STAGES.values():
         assert set(stage.settings()) <= fields, stage.name

@@ -712,13 +712,13 @@ def test_in_eager_a_model_with_a_pad_token_keeps_its_all_ones_mask(tmp_path):
 
 
 def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, caplog):
-    from hf_apex.trainer import too_short_to_compile
+    from hf_apex.trainer import why_not_compile
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, max_steps=3)
     assert args.compile_min_steps == 500 and args.torch_compile  # the stage's default threshold
-    assert "3 optimizer steps, fewer than compile_min_steps=500" in too_short_to_compile(args, None)
+    assert "3 optimizer steps, fewer than compile_min_steps=500" in why_not_compile(args, None)
     mine = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, compile_min_steps=0)
-    assert mine.compile_min_steps == 0 and too_short_to_compile(mine, None) is None  # yours wins over the stage's
+    assert mine.compile_min_steps == 0 and why_not_compile(mine, None) is None  # yours wins over the stage's
     epochs = ApexTrainingArguments(
         output_dir=str(tmp_path),
         torch_compile=True,
@@ -727,8 +727,8 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
         per_device_train_batch_size=4,
         num_train_epochs=2,
     )
-    assert "32 optimizer steps" in too_short_to_compile(epochs, TokenDataset(n=64))  # 16 batches x 2 epochs
-    assert too_short_to_compile(epochs, iter([])) is None  # unknown length: compile as asked
+    assert "32 optimizer steps" in why_not_compile(epochs, TokenDataset(n=64))  # 16 batches x 2 epochs
+    assert why_not_compile(epochs, iter([])) is None  # unknown length: compile as asked
     from accelerate.utils import DynamoBackend
     from torch._dynamo.eval_frame import OptimizedModule
 
@@ -744,6 +744,17 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     assert not metrics["run"]["torch_compile"] and metrics["kernels"]["torch_compile"].startswith("not used: ")
     asked = ApexTrainer(tiny_model("gpt2").train(), train_args(tmp_path / "c", torch_compile=True, max_steps=2))
     assert asked.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR  # (what the check above sees)
+
+
+def test_auto_without_a_gpu_runs_its_eager_kernels_as_they_are(tmp_path, caplog):
+    # auto's CUDA graphs (the cudagraphs backend) need a GPU to record them on; a backend of yours compiles as asked
+    args = train_args(tmp_path, stage="auto", max_steps=5000)
+    assert args.torch_compile and args.torch_compile_backend == "cudagraphs"
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        trainer = ApexTrainer(tiny_model("gpt2").train(), args, train_dataset=TokenDataset())
+    assert "not compiling: no CUDA GPU to record stage 'auto'" in caplog.text and not trainer.args.torch_compile
+    yours = train_args(tmp_path, stage="compiled", torch_compile_backend="cudagraphs", max_steps=5000)
+    assert ApexTrainer(tiny_model("gpt2").train(), yours).compile_skipped is None
 
 
 def _output_dtypes(model):

@@ -37,6 +37,7 @@ from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
 APEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+APEX_DEVICE_TYPES = ("cuda",)  # where apex's ops run (its torch.library ops take any tensor and fail elsewhere)
 
 _ext = None  # apex's fused_layer_norm_cuda; imported when the first apex route is built, never per call
 _ops = None  # apex.normalization.fused_layer_norm (its torch.library ops, for graphs); imported by rewire, not traced
@@ -169,9 +170,19 @@ class _ApexNorm:
 
     def _hf_apex_in_graph(self, x: torch.Tensor) -> torch.Tensor:
         """apex's op inside a graph, with the eager path's semantics: under autocast, input, weight and bias cast to
-        its dtype (the casts' backward casts the gradients back)."""
+        its dtype (the casts' backward casts the gradients back). The stock op where it cannot run."""
         amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        if self._hf_apex_input_blocker(x, amp) is not None:
+        reason = self._hf_apex_input_blocker(x, amp)
+        if reason is None and x.device.type not in APEX_DEVICE_TYPES:
+            reason = f"{x.device.type} tensors"
+        elif reason is None and _ops is None:
+            reason = "apex's ops were not loaded"
+        if reason is not None:
+            if self.hf_apex_strict:
+                raise ApexKernelError(
+                    f"{type(self).__name__}: apex_strict_kernels is on but apex's {self.hf_apex_component} kernel "
+                    f"cannot run inside the graph ({reason})."
+                )
             return super().forward(x)
         with torch.autocast("cuda", enabled=False):
             return self.hf_apex_graph_call(x if amp is None else x.to(amp), amp)
@@ -222,11 +233,10 @@ class _ApexNorm:
             return "stock op inside torch.compile"
         return "apex or torch, autotuned" if self.hf_apex_chooser is not None else "apex"
 
-    # Pickle as "this stock class, swapped": loads wherever hf_apex imports, whatever the class is called.
+    # Pickle as "this stock class, swapped": loads wherever hf_apex imports, whatever the class is called. What
+    # this process decided (routes, the chooser, apex's op in graphs) stays here: the loading process decides again.
     def __reduce_ex__(self, protocol):
-        state = {
-            k: v for k, v in self.__dict__.items() if k not in ("hf_apex_routes", "hf_apex_retired", "hf_apex_chooser")
-        }
+        state = {k: v for k, v in self.__dict__.items() if k not in PROCESS_ATTRIBUTES}
         return _rebuild, (stock_class(self), _kind(type(self))), state
 
     def __setstate__(self, state):
@@ -316,6 +326,17 @@ def rms_norm_eps(module: nn.Module) -> float:
             return value
     raise AttributeError(f"{type(module).__name__} has no epsilon attribute")
 
+
+# What rewire() and a run set on a swapped module (unrewire() removes them all); the last four are this process's.
+SWAP_ATTRIBUTES = (
+    "hf_apex_strict",
+    "hf_apex_compiled",
+    "hf_apex_chooser",
+    "hf_apex_graph_kernel",
+    "hf_apex_routes",
+    "hf_apex_retired",
+)
+PROCESS_ATTRIBUTES = SWAP_ATTRIBUTES[2:]
 
 _NAMES: set[str] = set()
 

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .availability import blocker
-from .norms import WEIGHTLESS_LAYER_NORMS, is_swapped, load_graph_ops, rms_norm_eps, stock_class, swapped_class
+from .norms import (
+    SWAP_ATTRIBUTES,
+    WEIGHTLESS_LAYER_NORMS,
+    is_swapped,
+    load_graph_ops,
+    rms_norm_eps,
+    stock_class,
+    swapped_class,
+)
 from .trace import APEX, TORCH
 
 logger = logging.getLogger("hf_apex")
@@ -210,16 +218,6 @@ def rewire(
     return report
 
 
-OPTION_ATTRIBUTES = (
-    "hf_apex_strict",
-    "hf_apex_chooser",
-    "hf_apex_compiled",
-    "hf_apex_graph_kernel",
-    "hf_apex_routes",
-    "hf_apex_retired",
-)
-
-
 def _graph_kernel_runs(module: nn.Module, graph_kernel: str) -> bool:
     """Whether ``graph_kernel`` can run inside ``module``'s graphs (apex's: its kernel runs on the module's device;
     then its ops are imported here, before any tracing)."""
@@ -243,7 +241,7 @@ def unrewire(model: nn.Module) -> int:
         cls = stock_class(module)
         if cls is not None:
             module.__class__ = cls
-            for name in OPTION_ATTRIBUTES:
+            for name in SWAP_ATTRIBUTES:
                 module.__dict__.pop(name, None)
             restored += 1
     return restored
