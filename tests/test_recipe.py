@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_apex.kernels.availability import portable_path
 from hf_apex.measure.report import METRICS_FILENAME
@@ -251,3 +252,24 @@ def test_a_typo_gets_a_short_error_with_the_choices():
     out = run_cli("--stage", "fused")
     assert out.returncode == 2 and "invalid choice: 'fused'" in out.stderr and "fused_full" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, multiple",
+    [(["--stage", "compiled", "--torch_compile_backend", "cudagraphs"], 16), (["--stage", "torch_fused"], 1)],
+    ids=["cuda-graphs", "eager"],
+)
+def test_sst2_batches_take_few_shapes_under_cuda_graphs(generated_data, word_tokenizer, tmp_path, flags, multiple):
+    # Each new batch shape records new CUDA graphs: under them the collator pads to a multiple of 16 tokens
+    parser = finetune.Parser((finetune.ScriptArguments, finetune.ApexTrainingArguments))
+    argv = recipe_args("sst2", generated_data, word_tokenizer, tmp_path / "out", *flags)
+    script_args, args = parser.parse_args_into_dataclasses(args=argv)
+    tokenizer = finetune.load_tokenizer(script_args)
+    model = finetune.load_model(script_args, tokenizer)
+    raw = finetune.load_raw_data(script_args)
+    train, _, collator, _ = finetune.prepare_sst2(script_args, raw, tokenizer, model, args)
+    rows = [train[i] for i in range(8)]
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = collator(rows)
+    assert longest % 16 and batch["input_ids"].shape[1] == -(-longest // multiple) * multiple
+    assert (batch["attention_mask"].sum(1) == torch.tensor([len(r["input_ids"]) for r in rows])).all()
