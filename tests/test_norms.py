@@ -279,3 +279,16 @@ def test_inside_a_graph_apex_gives_way_where_it_cannot_run_and_is_not_pickled(mo
     assert norms.is_swapped(loaded[1]) and loaded[1].hf_apex_graph_kernel == "torch"
     surgery.unrewire(model)
     assert "hf_apex_graph_kernel" not in vars(model[1]) and not norms.is_swapped(model[1])
+
+
+def test_without_apex_s_python_ops_the_graphs_keep_the_stock_op(monkeypatch, caplog):
+    from hf_apex.kernels import surgery
+
+    monkeypatch.setattr(surgery, "blocker", lambda component, device=None: None)  # apex's kernel runs, its
+    monkeypatch.setattr(norms, "_ops", None)  # Python side does not import here (this machine has no apex)
+    surgery._warn_no_graph_ops.cache_clear()  # (said once per process)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16))
+    with caplog.at_level("WARNING", logger="hf_apex"):
+        rewire(model, compiled=True, graph_kernel="apex")
+    assert model[0].hf_apex_graph_kernel == "torch"
+    assert "run the stock op inside CUDA graphs, not apex's: apex.normalization does not import" in caplog.text

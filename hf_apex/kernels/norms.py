@@ -53,11 +53,24 @@ def _load_extension() -> None:
         _ext = importlib.import_module("fused_layer_norm_cuda")
 
 
-def load_graph_ops() -> None:
-    """Import apex's ``torch.library`` norm ops (before tracing: a graph calls them, never imports them)."""
+GRAPH_OPS = ("fused_layer_norm_affine_fwd", "fused_layer_norm_fwd", "fused_rms_norm_affine_fwd")
+
+
+def load_graph_ops() -> str | None:
+    """Import apex's ``torch.library`` norm ops (before tracing: a graph calls them, never imports them); why they
+    cannot be used, or None."""
     global _ops
-    if _ops is None:
-        _ops = importlib.import_module("apex.normalization.fused_layer_norm")
+    if _ops is not None:
+        return None
+    try:
+        module = importlib.import_module("apex.normalization.fused_layer_norm")
+    except Exception as error:  # (apex's Python side may fail in more ways than ImportError)
+        return f"apex.normalization does not import ({type(error).__name__}: {error})"
+    missing = [name for name in GRAPH_OPS if not hasattr(module, name)]
+    if missing:
+        return f"this apex has no torch.library norm ops ({', '.join(missing)})"
+    _ops = module
+    return None
 
 
 # Autograd functions straight over apex's extension. Under autocast (``amp``) each casts its input, weight and bias

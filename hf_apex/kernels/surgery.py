@@ -10,6 +10,7 @@ work on the instance; no class or module of transformers is patched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from collections.abc import Callable
@@ -229,8 +230,15 @@ def _graph_kernel_runs(module: nn.Module, graph_kernel: str) -> bool:
         device = None  # a model the trainer moves to the GPU after rewiring: ask about this machine
     if blocker(module.hf_apex_component, device) is not None:
         return False
-    load_graph_ops()
-    return True
+    reason = load_graph_ops()
+    if reason is not None:
+        _warn_no_graph_ops(reason)
+    return reason is None
+
+
+@functools.cache
+def _warn_no_graph_ops(reason: str) -> None:  # once per process and reason: a log, not state
+    logger.warning("hf_apex: the swapped norms run the stock op inside CUDA graphs, not apex's: %s.", reason)
 
 
 def unrewire(model: nn.Module) -> int:
