@@ -13,6 +13,7 @@ import torch
 
 from .kernels import attention
 from .kernels.availability import EXTENSION_NAMES, blocker, environment, extension_error, fix_for, is_apex_available
+from .kernels.norms import load_graph_ops
 
 
 def nvcc_version() -> str | None:
@@ -42,6 +43,8 @@ BACKENDS = {
     "layer_norm": ("apex fused_layer_norm_cuda", "torch F.layer_norm"),
     "rms_norm": ("apex fused_layer_norm_cuda (RMS)", "stock HF RMSNorm forward"),
 }
+# the norms inside the cudagraphs backend's CUDA graphs (auto's): apex's torch.library ops, which need its Python side
+GRAPH_NORMS = ("apex.normalization's torch.library ops (auto's CUDA graphs)", "the stock op inside the graphs")
 
 
 def _backends() -> dict[str, dict]:
@@ -54,6 +57,11 @@ def _backends() -> dict[str, dict]:
             if reason is None
             else {"backend": "fallback", "why": f"{fallback}: {reason}"}
         )
+    reason = blocker("layer_norm") or load_graph_ops()
+    apex, fallback = GRAPH_NORMS
+    out["graph_norms"] = (
+        {"backend": "apex", "why": apex} if reason is None else {"backend": "fallback", "why": f"{fallback}: {reason}"}
+    )
     return out
 
 
@@ -102,7 +110,7 @@ def collect(proof: bool = True) -> dict:
         except Exception as exc:  # report, don't crash: the doctor is for broken setups
             report["attention_backends"] = {"error": f"{type(exc).__name__}: {exc}"}
     problems = [f"{c}: {b['why']}" for c, b in report["backends"].items() if b["backend"] != "apex"]
-    if proof and all(b["backend"] == "apex" for b in report["backends"].values()):
+    if proof and all(report["backends"][c]["backend"] == "apex" for c in BACKENDS):  # (the kernels to prove)
         try:
             report["runtime_proof"] = runtime_proof()
             missing = {"layer_norm", "rms_norm", "fused_adam"} - set(report["runtime_proof"]["kernels"])

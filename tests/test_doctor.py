@@ -14,6 +14,7 @@ def test_doctor_without_a_gpu_says_so_and_strict_fails(capsys, monkeypatch):
     assert report["ok"] is False and report["gpu"] is None
     assert {b["backend"] for b in report["backends"].values()} == {"fallback"}
     assert all("no CUDA GPU" in b["why"] for b in report["backends"].values())
+    assert report["backends"]["graph_norms"]["why"].startswith("the stock op inside the graphs: ")
     assert report["torch"] == torch.__version__ and "transformers" in report
     # What --attention_backend can put first here: ran a causal forward + backward, or why not.
     cuda_only = {"cudnn": "CUDA only", "efficient": "CUDA only"}
@@ -32,7 +33,8 @@ def test_console_script_and_module_entry_points():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert set(json.loads(out.stdout)["backends"]) == {"fused_adam", "fused_lamb", "layer_norm", "rms_norm"}
+    backends = {"fused_adam", "fused_lamb", "layer_norm", "rms_norm", "graph_norms"}
+    assert set(json.loads(out.stdout)["backends"]) == backends
     assert cli.main(["--help"]) == 0
 
 
