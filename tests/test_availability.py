@@ -26,13 +26,17 @@ from hf_apex.kernels import availability
 def fake_site(tmp_path, monkeypatch):
     """A folder on sys.path where tests lay out fake apex installs."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [
-        m for m in sys.modules if m == "apex" or m.startswith("apex.") or m in ("amp_C", "fused_layer_norm_cuda")
-    ]:
+    for name in _apex_modules():
         monkeypatch.delitem(sys.modules, name)
     availability.clear_caches()
     yield tmp_path
+    for name in _apex_modules():  # the fakes this test imported (monkeypatch then puts back what was there)
+        del sys.modules[name]
     availability.clear_caches()
+
+
+def _apex_modules() -> list[str]:
+    return [m for m in sys.modules if m == "apex" or m.startswith("apex.") or m in ("amp_C", "fused_layer_norm_cuda")]
 
 
 def _write(root, rel, text=""):

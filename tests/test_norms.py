@@ -282,13 +282,21 @@ def test_inside_a_graph_apex_gives_way_where_it_cannot_run_and_is_not_pickled(mo
 
 
 def test_without_apex_s_python_ops_the_graphs_keep_the_stock_op(monkeypatch, caplog):
+    import sys
+    import types
+
     from hf_apex.kernels import surgery
 
-    monkeypatch.setattr(surgery, "blocker", lambda component, device=None: None)  # apex's kernel runs, its
-    monkeypatch.setattr(norms, "_ops", None)  # Python side does not import here (this machine has no apex)
-    surgery._warn_no_graph_ops.cache_clear()  # (said once per process)
-    model = torch.nn.Sequential(torch.nn.LayerNorm(16))
-    with caplog.at_level("WARNING", logger="hf_apex"):
-        rewire(model, compiled=True, graph_kernel="apex")
-    assert model[0].hf_apex_graph_kernel == "torch"
-    assert "run the stock op inside CUDA graphs, not apex's: apex.normalization does not import" in caplog.text
+    monkeypatch.setattr(surgery, "blocker", lambda component, device=None: None)  # apex's kernel runs, but
+    monkeypatch.setattr(norms, "_ops", None)
+    for module, said in (
+        (None, "apex.normalization does not import (ModuleNotFoundError"),  # (None in sys.modules: not importable)
+        (types.ModuleType("fused_layer_norm"), "this apex has no torch.library norm ops (fused_layer_norm_affine_fwd"),
+    ):
+        monkeypatch.setitem(sys.modules, "apex.normalization.fused_layer_norm", module)
+        surgery._warn_no_graph_ops.cache_clear()  # (said once per process)
+        model = torch.nn.Sequential(torch.nn.LayerNorm(16))
+        with caplog.at_level("WARNING", logger="hf_apex"):
+            rewire(model, compiled=True, graph_kernel="apex")
+        assert model[0].hf_apex_graph_kernel == "torch" and norms._ops is None
+        assert f"run the stock op inside CUDA graphs, not apex's: {said}" in caplog.text
