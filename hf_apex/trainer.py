@@ -642,7 +642,7 @@ class ApexTrainer(Trainer):
                 "; the stock op where apex's kernel cannot run" if TORCH in inside else ""
             )
         if graph_norm_kernel(self.args) == APEX:
-            return "stock torch op inside the CUDA graphs (apex's kernel cannot run on the model's device)"
+            return "stock torch op inside the CUDA graphs (apex's norms cannot run there: the log says why)"
         return "stock torch op inside the compiled graph (Inductor)"
 
     def _metrics_sections(self) -> dict:
