@@ -142,14 +142,14 @@ STAGES: dict[str, StageConfig] = {
             bf16=True,
             autotune=True,
             # The step's own kernels (apex's norms among them) recorded once and replayed, without code generation:
-            # the host no longer paces the GPU. On an H200 (benchmarks/h200-2026-12-02-graphs) BERT-base 128x128's
-            # step took 30.1 ms (p20-p80 30.1-30.2) against fused_full's 50.2 ms (45.8-54.7) and torch_fused's
-            # 50.2 ms (36.1-57.8) on the same machine; GPT-2's 105.7 against 113.8 ms, Llama's 88.6 against 92.6 ms.
+            # the host no longer paces the GPU. In a whole `make bench` on an H200 (benchmarks/h200-2026-12-02-whole)
+            # BERT-base 128x128's step took 30.1 ms against fused_full's 38.3 ms (95 % interval 31.9-46.0, host-bound)
+            # and torch_fused's 35.3 ms; GPT-2's 105.6 against 113.9 ms, Llama's 88.3 against 92.5 ms.
             # One process, no gradient accumulation, a GPU: elsewhere the stage runs eager (ApexTrainingArguments).
             torch_compile=True,
             torch_compile_backend="cudagraphs",
-            # Tracing and recording cost the first step 10-16 s, repaid after ~500-860 (BERT), ~1,900 (GPT-2) and
-            # ~2,100 (Llama) steps there
+            # Tracing and recording cost the first step 8-10 s there, repaid against the faster eager row after
+            # ~1,950 (BERT), ~950 (GPT-2) and ~2,200 (Llama) steps
             compile_min_steps=2500,
         ),
     )

@@ -667,6 +667,14 @@ def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
     assert 400 < steps < 550 and line in format_table(rows)
     slower = dataclasses.replace(eager, step_time_ms_p50=compiled.step_time_ms_p50 - 1)
     assert "never repaid" in bench_report.compilation_costs([slower, compiled])[0]
+    # the faster eager row is what compilation must repay: here a fused_full 10 ms under torch_fused
+    ff = dataclasses.replace(eager, stage="fused_full", step_time_ms_p50=eager.step_time_ms_p50 - 10)
+    ff_compile_ms = compiled.first_step_ms - compiled.step_time_ms_p50 - (ff.first_step_ms - ff.step_time_ms_p50)
+    ff_steps = ff_compile_ms / (ff.step_time_ms_p50 - compiled.step_time_ms_p50)
+    assert bench_report.compilation_costs([eager, ff, compiled])[0] == (
+        f"gpt2 compiled: compilation {ff_compile_ms / 1e3:.1f} s (first step), repaid after {ff_steps:,.0f} steps "
+        "against fused_full."
+    )
     alone = bench_report.compilation_costs([compiled])[0]  # no eager row: the first step's whole extra
     whole = (compiled.first_step_ms - compiled.step_time_ms_p50) / 1e3
     assert alone == f"gpt2 compiled: compilation {whole:.1f} s (first step)."
