@@ -241,6 +241,21 @@ def test_each_trainer_and_each_run_report_their_own_decisions(fake_apex, tmp_pat
     assert run("third", stage="baseline")[1] == []  # no autotune in this run: nothing from the earlier ones
 
 
+def test_torch_s_adamw_chosen_by_autotune_counts_its_steps_as_apex_s_do(fake_apex, tmp_path, monkeypatch):
+    """Where torch's fused AdamW was timed faster, the metrics still say what stepped the model (before, such a run's
+    calls had no optimizer at all, and its end-of-run line said "no apex component")."""
+    fake_apex(_correct)
+    fix_timings(monkeypatch, {"apex": 2.0, "torch": 1.0})
+    args = auto_args(tmp_path / "run", max_steps=4)
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    metrics = json.loads((tmp_path / "run" / METRICS_FILENAME).read_text())
+    assert [(d["component"], d["backend"]) for d in metrics["autotune"]][0] == ("optimizer", "torch")
+    assert metrics["kernels"]["calls"]["optimizer"] == {"apex": 0, "fallback": 0, "torch": 4, "fallback_reasons": {}}
+
+
 def test_a_resumed_run_keeps_the_optimizer_of_its_checkpoint(fake_apex, tmp_path, monkeypatch):
     """The first run picks apex (FusedAdam's state layout); on resume the timings would pick torch AdamW, whose
     load of that state fails (KeyError 'step'). The decision stored in the checkpoint is kept instead."""

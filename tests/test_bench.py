@@ -645,6 +645,16 @@ def test_each_model_s_fastest_row_stands_next_to_published_numbers():
     assert "llm.c ~468K tokens/s per H100" in lines[0] and lines[0] in format_table(rows)
 
 
+def test_a_row_whose_norms_replayed_inside_cuda_graphs_is_coloured_by_the_kernels_the_profiler_saw():
+    """From the committed H200 bench: Llama's `auto` ran apex's RMSNorm inside CUDA graphs and torch's fused AdamW,
+    so no call was counted, and its bar was drawn as "torch only" beside a kernels column naming apex's."""
+    metrics = json.loads((REPO / "benchmarks/h200-2026-12-02-whole/runs/llama-auto" / METRICS_FILENAME).read_text())
+    assert metrics["kernels"]["calls"] == {}
+    assert row_from_metrics("llama", metrics).backend == "apex"
+    metrics["kernels"]["profiled"]["apex"] = {}  # no apex kernel seen, no apex call counted: torch's
+    assert row_from_metrics("llama", metrics).backend == "torch"
+
+
 def test_compiled_rows_say_what_compilation_cost_and_when_it_is_repaid():
     """From the committed H200 ladder (benchmarks/h200-2026-11-30-ladder): GPT-2's compiled run."""
     runs = REPO / "benchmarks" / "h200-2026-11-30-ladder" / "runs"

@@ -1,4 +1,6 @@
+import copy
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +11,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.kernels.norms import is_swapped
 from hf_apex.kernels.optim import FusedAdamFallback
-from hf_apex.measure.report import METRICS_FILENAME, process_age_s
+from hf_apex.measure.report import METRICS_FILENAME, process_age_s, summary_lines
 from hf_apex.trainer import _fsdp_version, validate_apex_args
 from tests.testing_utils import TokenDataset, tiny_model
 
@@ -77,6 +79,20 @@ def test_every_stage_trains_and_writes_its_metrics(stage, tmp_path, caplog):
         assert "optimizer 0 apex / 6 fallback (cpu tensors" in caplog.text
     else:
         assert "hf_apex: calls: no apex component in this run" in caplog.text
+
+
+def test_the_end_of_run_line_says_when_the_norms_ran_inside_cuda_graphs():
+    """From the committed H200 bench: Llama's `auto` replayed apex's RMSNorm inside CUDA graphs, where no call is
+    counted, and its line said "no apex component in this run" beside the apex kernels the profiler saw."""
+    run = Path(__file__).parents[1] / "benchmarks" / "h200-2026-12-02-whole" / "runs" / "llama-auto"
+    metrics = json.loads((run / METRICS_FILENAME).read_text())
+    assert summary_lines(metrics)[1] == (
+        "hf_apex: calls: norms: apex's kernel inside the CUDA graphs (the cudagraphs backend: no code generation), "
+        "not counted per call; apex kernels seen running: rms_norm, norm_backward"
+    )
+    eager = copy.deepcopy(metrics)  # norms that ran eager (a run too short to compile) are counted instead
+    eager["kernels"]["calls"]["rms_norm"] = {"apex": 70, "fallback": 0, "fallback_reasons": {}}
+    assert summary_lines(eager)[1].startswith("hf_apex: calls: rms_norm 70 apex / 0 fallback; apex kernels seen")
 
 
 def test_fused_stages_match_baseline_maths_on_cpu(tmp_path):

@@ -147,7 +147,7 @@ def run_summary(
 def summary_lines(data: dict) -> list[str]:
     """What a run bought, in two lines for the console, from its :func:`run_summary`: timing after warm-up,
     throughput, MFU, peak memory, and per component the calls that reached apex and those that fell back (with why),
-    then the apex kernels the profiler saw run."""
+    or where the norms ran inside compiled graphs, then the apex kernels the profiler saw run."""
     run, t = data["run"], data["step_time_ms"]
     if t:
         timing = f"{t['p50']:,.1f} ms/step p50 (p20-p80 {t['p20']:,.1f}-{t['p80']:,.1f})"
@@ -172,6 +172,9 @@ def summary_lines(data: dict) -> list[str]:
             part += f" / {c['torch']} torch (autotune)"
         reasons = "; ".join(c.get("fallback_reasons") or {})
         calls.append(part + (f" ({reasons})" if reasons else ""))
+    in_graphs = data["kernels"].get("norms_under_torch_compile")
+    if in_graphs and not any(component.endswith("norm") for component in data["kernels"]["calls"]):
+        calls.append(f"norms: {in_graphs}, not counted per call")  # a replayed graph runs no Python
     profiled = data["kernels"].get("profiled") or {}
     ran = ", ".join(profiled.get("apex") or {}) or "none"
     seen = f"; apex kernels seen running: {ran}" if profiled else ""
