@@ -177,8 +177,10 @@ class FusedAdamFallback(torch.optim.Optimizer):
 
 
 class TorchFusedAdamW(torch.optim.AdamW):
-    """torch's ``AdamW(fused=True)`` where autotune timed it faster than apex's FusedAdam. Its steps are counted like
-    apex's (the metrics' ``calls["optimizer"]["torch"]``), by a step post-hook, so ``AdamW.step`` runs unchanged."""
+    """torch's ``AdamW(fused=True)`` where autotune timed it faster than apex's FusedAdam. Its steps are counted (the
+    metrics' ``calls["optimizer"]["torch"]``) by a step post-hook, so ``AdamW.step`` runs unchanged. Under FP16 the
+    fused AdamW takes the GradScaler's scale and skips an overflowed step itself, so such a step counts too, where
+    the scaler never calls apex's ``step``."""
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
