@@ -27,6 +27,12 @@ BENCH_BATCH ?=
 BENCH_DIR ?= .bench
 BENCH_ARGS ?=
 
+# the flags of recipes/bench.py that the BENCH_* variables set (one line when make echoes the command)
+BENCH_FLAGS = --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS)) \
+  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES)) $(if $(BENCH_NPROC),--nproc $(BENCH_NPROC)) \
+  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS)) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP)) \
+  $(if $(BENCH_REPEATS),--repeats $(BENCH_REPEATS)) $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
+
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
 .PHONY: help install apex doctor bench test test-gpu test-perf lint style clean
@@ -63,11 +69,7 @@ bench: install
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  $(PYTHON) -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
 	  || $(MAKE) apex; fi
-	$(PYTHON) recipes/bench.py --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS),) \
-	  $(if $(BENCH_STAGES),--stages $(BENCH_STAGES),) $(if $(BENCH_NPROC),--nproc $(BENCH_NPROC),) \
-	  $(if $(BENCH_STEPS),--steps $(BENCH_STEPS),) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP),) \
-	  $(if $(BENCH_REPEATS),--repeats $(BENCH_REPEATS),) \
-	  $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
+	$(PYTHON) recipes/bench.py $(strip $(BENCH_FLAGS))
 
 doctor:
 	$(PYTHON) -m hf_apex doctor

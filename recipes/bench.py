@@ -439,6 +439,17 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     return metrics, json.loads(plain_json.read_text()) if want_plain else None
 
 
+def data_source(data_dir: str | None) -> str:
+    """Where the runs' data and tokenizers come from, said before the first run: a bench that reads the Hub offline
+    fails only once its first run has started."""
+    if data_dir:
+        return f"data: {portable_path(data_dir)}"
+    return (
+        f"data: the Hub (no local copy at {portable_path(str(DEFAULT_DATA))}; use one with --data_dir DIR, through "
+        'make BENCH_ARGS="--data_dir DIR")'
+    )
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -462,6 +473,7 @@ def main(argv=None) -> int:
         sizes = " and ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
         banner += f" | {sizes} processes per run (DDP)"
     print(banner, flush=True)
+    print(data_source(opts.data_dir), flush=True)
 
     if opts.preload:
         opts.preload = use_fork_server(cuda)

@@ -397,7 +397,7 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
     lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
-    if any(r.step_time_ms_ci for r in rows):
+    if rows:
         lines.append("\n" + interval_note(rows))
     return "\n".join(lines)
 
@@ -469,14 +469,20 @@ def interval_note(rows: list[BenchRow]) -> str:
         f"its steps resampled in blocks of {BLOCK}: such an interval leaves out how much a second run of the same row "
         "could differ (--repeats N runs each row N times, interleaved)"
     )
+    bare = [f"{r.model} {bar_label(r)}" for r in rows if r.step_time_ms_p50 is not None and r.step_time_ms_ci is None]
+    short = f"one run of fewer than {2 * BLOCK} timed steps, too few to say how far its times spread"
+    if bare and len(bare) == len(rows):  # a tiny bench (CPU), or --steps below two blocks
+        return f"No row has an interval: each is {short}, so differences between rows may be noise."
+    none = f" No interval for {', '.join(bare)}: {short}." if bare else ""
     if all(r.runs == 1 for r in rows):
-        return f"95 % intervals: one run per row, {single}."
+        return f"95 % intervals: one run per row, {single}.{none}"
     groups = {n: [f"{r.model} {bar_label(r)}" for r in rows if r.runs == n] for n in sorted({r.runs for r in rows})}
     several = "; ".join(f"{n} runs: {', '.join(names)}" for n, names in groups.items() if n > 1)
     return (
         f"95 % intervals. Rows of several runs ({several}) give p50 as the geometric mean of their runs' medians, "
         "with a t-interval over the runs (run by run against a row of as many runs, which ran in the same rounds)"
         + (f"; the other rows are one run, {single}." if 1 in groups else ".")
+        + none
     )
 
 

@@ -70,6 +70,9 @@ OFFLINE_HINT = (
     "Offline alternatives: --data_dir DIR with local files, --model_name_or_path /local/model/dir, or "
     "--model_type bert|gpt2|... --tokenizer_name /local/tokenizer/dir to train from scratch."
 )
+NO_NETWORK_HINT = (
+    "Without network access, export HF_HUB_OFFLINE=1: a missing Hub then fails at once, not after retries."
+)
 
 
 class InputError(ValueError):
@@ -194,8 +197,9 @@ def hub_call(what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (OSError, ConnectionError, ValueError) as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        hint = OFFLINE_HINT if offline else OFFLINE_HINT + " " + NO_NETWORK_HINT
         raise InputError(
-            f"Could not load {what}{' (HF_HUB_OFFLINE is set)' if offline else ''}: {exc}\n{OFFLINE_HINT}"
+            f"Could not load {what}{' (HF_HUB_OFFLINE is set)' if offline else ''}: {exc}\n{hint}"
         ) from exc
 
 
@@ -267,8 +271,13 @@ def load_model(args: ScriptArguments, tokenizer):
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
         config.vocab_size = max(config.vocab_size, len(tokenizer))
-        logger.warning("Training %s FROM SCRATCH (random init); config: %s", args.model_type, config.to_diff_dict())
         model = auto_cls.from_config(config)
+        logger.warning(
+            "Training %s FROM SCRATCH (random init): %.1fM parameters, its default config%s.",
+            args.model_type,
+            model.num_parameters() / 1e6,
+            f" with {args.config_overrides}" if args.config_overrides else "",
+        )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -172,6 +172,24 @@ def test_trainer_overhead_and_auto_verdict_carry_intervals():
     )
 
 
+def test_rows_too_short_for_an_interval_say_so_under_the_table():
+    """The CPU bench's tiny runs time 6 steps: no interval, and the note says why instead of leaving a blank."""
+    six = [40.0, 40.4, 39.8, 41.0, 40.1, 39.9]
+    short = [row_from_metrics("bert", _ddp_metrics(stage, six, 1)) for stage in STAGES]
+    add_ratios(short)
+    assert all(r.step_time_ms_ci is None for r in short)
+    note = bench_report.interval_note(short)
+    assert note == (
+        "No row has an interval: each is one run of fewer than 20 timed steps, too few to say how far its times "
+        "spread, so differences between rows may be noise."
+    )
+    assert note in format_table(short)
+    long = row_from_metrics("gpt2", _ddp_metrics("baseline", _steps(40.0, 60, seed=9), 1))
+    assert bench_report.interval_note(add_ratios([short[0], long])).endswith(
+        "No interval for bert baseline: one run of fewer than 20 timed steps, too few to say how far its times spread."
+    )
+
+
 def _runs(median: float, offsets: list[float], seed: int, n: int = 100) -> list[list[float]]:
     """Runs of ``n`` steps (see _steps), each run slower or faster as a whole by its offset: processes differ."""
     return [[t * (1 + off) for t in _steps(median, n, seed + i)] for i, off in enumerate(offsets)]
@@ -558,6 +576,11 @@ def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, monkeypatch
     assert "gpt2-auto.log" in launched and "gpt2-fused_full-plain.log" not in launched  # on after the failure
     printed = capsys.readouterr().out
     assert "CUDA error: out of memory" in printed  # the failed run's log tail, where it happened
+    assert bench.data_source(bench.parse_args([]).data_dir) in printed.splitlines()[:3]  # said before any run
+    assert bench.data_source(None).startswith("data: the Hub") and 'BENCH_ARGS="--data_dir DIR"' in bench.data_source(
+        None
+    )
+    assert bench.data_source(str(tmp_path)) == f"data: {bench.portable_path(tmp_path)}"
     assert re.search(r"^\| gpt2 \| auto \|", printed, re.M) and not re.search(r"^\| gpt2 \| fused_full", printed, re.M)
     assert "bench: 1 run(s) failed and are left out of the table: gpt2-fused_full" in printed
     assert written["failed_runs"] == ["gpt2-fused_full"]

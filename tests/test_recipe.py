@@ -189,6 +189,22 @@ def test_offline_hub_names_fail_with_the_offline_alternative(args, says, word_to
     assert not (tmp_path / "out").exists()
 
 
+def test_a_hub_failure_without_hf_hub_offline_says_how_to_fail_fast(monkeypatch):
+    """Offline without HF_HUB_OFFLINE, the Hub's client retries for about a minute before it fails: say how not to."""
+
+    def unreachable():
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(finetune.InputError) as failed:
+        finetune.hub_call("tokenizer 'bert-base-uncased'", unreachable)
+    assert str(failed.value).endswith(finetune.OFFLINE_HINT + " " + finetune.NO_NETWORK_HINT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # already set: the alternatives only
+    with pytest.raises(finetune.InputError) as failed:
+        finetune.hub_call("tokenizer 'bert-base-uncased'", unreachable)
+    assert str(failed.value).endswith(finetune.OFFLINE_HINT) and "HF_HUB_OFFLINE is set" in str(failed.value)
+
+
 def test_unknown_task_is_refused():
     out = run_cli("--task", "mnli", "--model_type", "bert")
     assert out.returncode == 2 and "invalid choice: 'mnli'" in out.stderr

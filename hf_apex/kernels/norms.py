@@ -136,7 +136,10 @@ class _RMSNormAffine(torch.autograd.Function):
 @functools.cache
 def _warn_fallback(component: str, reason: str) -> None:  # once per process and reason: a log, not state
     logger.warning(
-        "hf_apex: %s runs the torch op, not apex's kernel (%s); the count is in the metrics.", component, reason
+        "hf_apex: %s runs the torch op, not apex's kernel (%s); print(model) says so, and an ApexTrainer run's "
+        "metrics count these calls.",
+        component,
+        reason,
     )
 
 
@@ -234,8 +237,10 @@ class _ApexNorm:
 
     def _hf_apex_describe(self) -> str:
         taken = [r for r in self.hf_apex_routes.values() if r.calls]  # what runs now (a trial's routes: retired)
-        if taken:
-            return ", ".join(sorted({("torch fallback" if r.backend == FALLBACK else r.backend) for r in taken}))
+        if taken:  # a fallback keeps its reason, as before the first call
+            return ", ".join(
+                sorted({f"torch fallback ({r.reason})" if r.backend == FALLBACK else r.backend for r in taken})
+            )
         weight = next(self.parameters(), None)
         reason = blocker(self.hf_apex_component, weight.device if weight is not None else None)
         if reason is not None:
