@@ -12,7 +12,15 @@ from pathlib import Path
 import torch
 
 from .kernels import attention
-from .kernels.availability import EXTENSION_NAMES, blocker, environment, extension_error, fix_for, is_apex_available
+from .kernels.availability import (
+    EXTENSION_NAMES,
+    NO_GPU,
+    blocker,
+    environment,
+    extension_error,
+    fix_for,
+    is_apex_available,
+)
 from .kernels.norms import load_graph_ops
 
 
@@ -168,6 +176,11 @@ def format_report(report: dict) -> str:
         lines.append("  NOT OK:")
         lines += [f"    - {p}" for p in report["problems"]]
         lines += [f"  {hint}" for hint in dict.fromkeys(fix_for(p) for p in report["problems"])]
+        if any(NO_GPU in p for p in report["problems"]):
+            lines.append(
+                "  Or keep them on: without a GPU they train on the labelled torch fallbacks above, and an FP32 stage "
+                "such as fused_adam_ln is the quick one on a CPU."
+            )
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ def test_doctor_without_a_gpu_says_so_and_strict_fails(capsys, monkeypatch):
     assert doctor.main(["--strict"]) == 1
     text = capsys.readouterr().out
     assert "NOT OK" in text and "GPU            none: no CUDA GPU is visible" in text and "NVIDIA GPUs only" in text
+    assert text.rstrip().endswith("an FP32 stage such as fused_adam_ln is the quick one on a CPU.")  # what runs here
     assert "    skipped: needs a CUDA GPU and both apex extensions" in text  # said, not a dict printed
 
 

@@ -28,10 +28,7 @@ APEX_BUILD_HINT = (
     "`APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation .` inside an apex checkout "
     "(https://github.com/NVIDIA/apex). The PyPI package named `apex` is unrelated."
 )
-NO_GPU_HINT = (
-    "apex's kernels run on NVIDIA GPUs only: run on a CUDA machine. Without one the apex switches run labelled torch "
-    "fallbacks, unless apex_strict_kernels is on (on a CPU an FP32 stage such as fused_adam_ln is the quick one)."
-)
+NO_GPU_HINT = "apex's kernels run on NVIDIA GPUs only: run on a CUDA machine, or leave the apex switches off."
 
 # component -> the compiled extension its kernels live in
 EXTENSIONS = {
