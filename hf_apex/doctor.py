@@ -178,8 +178,8 @@ def format_report(report: dict) -> str:
         lines += [f"  {hint}" for hint in dict.fromkeys(fix_for(p) for p in report["problems"])]
         if any(NO_GPU in p for p in report["problems"]):
             lines.append(
-                "  Or keep them on: without a GPU they train on the labelled torch fallbacks above, and an FP32 stage "
-                "such as fused_adam_ln is the quick one on a CPU."
+                "  Or keep them on: without a GPU they train on the labelled torch fallbacks above (FusedLAMB has "
+                "none), and an FP32 stage such as fused_adam_ln is the quick one on a CPU."
             )
     return "\n".join(lines)
 

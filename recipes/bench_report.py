@@ -397,8 +397,9 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
     lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
-    if rows:
-        lines.append("\n" + interval_note(rows))
+    note = interval_note(rows)
+    if note:
+        lines.append("\n" + note)
     return "\n".join(lines)
 
 
@@ -469,9 +470,12 @@ def interval_note(rows: list[BenchRow]) -> str:
         f"its steps resampled in blocks of {BLOCK}: such an interval leaves out how much a second run of the same row "
         "could differ (--repeats N runs each row N times, interleaved)"
     )
-    bare = [f"{r.model} {bar_label(r)}" for r in rows if r.step_time_ms_p50 is not None and r.step_time_ms_ci is None]
+    timed = [r for r in rows if r.step_time_ms_p50 is not None]
+    if not timed:
+        return ""
+    bare = [f"{r.model} {bar_label(r)}" for r in timed if r.step_time_ms_ci is None]
     short = f"one run of fewer than {2 * BLOCK} timed steps, too few to say how far its times spread"
-    if bare and len(bare) == len(rows):  # a tiny bench (CPU), or --steps below two blocks
+    if len(bare) == len(timed):  # a tiny bench (CPU), or --steps below two blocks
         return f"No row has an interval: each is {short}, so differences between rows may be noise."
     none = f" No interval for {', '.join(bare)}: {short}." if bare else ""
     if all(r.runs == 1 for r in rows):

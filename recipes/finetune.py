@@ -270,13 +270,16 @@ def load_model(args: ScriptArguments, tokenizer):
         config = AutoConfig.for_model(args.model_type, **extra)
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
-        config.vocab_size = max(config.vocab_size, len(tokenizer))
+        changes = [args.config_overrides] if args.config_overrides else []
+        if len(tokenizer) > config.vocab_size:
+            changes.append(f"vocab_size={len(tokenizer)} (the tokenizer's)")
+            config.vocab_size = len(tokenizer)
         model = auto_cls.from_config(config)
         logger.warning(
             "Training %s FROM SCRATCH (random init): %.1fM parameters, its default config%s.",
             args.model_type,
             model.num_parameters() / 1e6,
-            f" with {args.config_overrides}" if args.config_overrides else "",
+            f" with {', '.join(changes)}" if changes else "",
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id

@@ -185,9 +185,15 @@ def test_rows_too_short_for_an_interval_say_so_under_the_table():
     )
     assert note in format_table(short)
     long = row_from_metrics("gpt2", _ddp_metrics("baseline", _steps(40.0, 60, seed=9), 1))
-    assert bench_report.interval_note(add_ratios([short[0], long])).endswith(
+    missing = (
         "No interval for bert baseline: one run of fewer than 20 timed steps, too few to say how far its times spread."
     )
+    assert bench_report.interval_note(add_ratios([short[0], long])).endswith(missing)
+    pooled = row_from_runs("gpt2", [_ddp_metrics("auto", _steps(40.0, 60, seed=s), 1) for s in (1, 2, 3)])
+    note = bench_report.interval_note(add_ratios([short[0], pooled]))
+    assert note.startswith("95 % intervals. Rows of several runs (3 runs: gpt2 auto)") and note.endswith(missing)
+    untimed = dataclasses.replace(short[0], step_time_ms_p50=None)  # nothing timed: nothing to say
+    assert bench_report.interval_note([untimed]) == "" and "intervals" not in format_table([untimed])
 
 
 def _runs(median: float, offsets: list[float], seed: int, n: int = 100) -> list[list[float]]:

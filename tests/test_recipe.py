@@ -205,6 +205,21 @@ def test_a_hub_failure_without_hf_hub_offline_says_how_to_fail_fast(monkeypatch)
     assert str(failed.value).endswith(finetune.OFFLINE_HINT) and "HF_HUB_OFFLINE is set" in str(failed.value)
 
 
+def test_a_model_from_scratch_is_announced_with_its_size_and_every_change_to_its_config(word_tokenizer, caplog):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(word_tokenizer)
+    overrides = "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,vocab_size=10"
+    args = finetune.ScriptArguments(task="wikitext2", model_type="llama", config_overrides=overrides)
+    with caplog.at_level("WARNING", logger="finetune"):
+        model = finetune.load_model(args, tokenizer)
+    assert model.config.vocab_size == len(tokenizer) > 10  # the tokenizer's words must all have an embedding
+    assert (
+        f"Training llama FROM SCRATCH (random init): {model.num_parameters() / 1e6:.1f}M parameters, its default "
+        f"config with {overrides}, vocab_size={len(tokenizer)} (the tokenizer's)." in caplog.text
+    )
+
+
 def test_unknown_task_is_refused():
     out = run_cli("--task", "mnli", "--model_type", "bert")
     assert out.returncode == 2 and "invalid choice: 'mnli'" in out.stderr
