@@ -168,7 +168,7 @@ class BenchRow:
     plain_loop_timed_steps_ms: Runs | None = None
 
 
-def _backend(calls: dict, fallback: bool, profiled_apex: bool = False) -> str:
+def _backend(calls: dict, fallback: bool, profiled_apex: bool) -> str:
     """fallback (torch stood in for a missing apex kernel), apex, apex+torch (autotune mixed), or torch. apex kernels
     the profiler saw count as apex where no call was counted: norms replayed inside CUDA graphs run no Python."""
     if fallback:
