@@ -61,7 +61,7 @@ from transformers.training_args import ParallelMode
 from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
 from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
-from .kernels.availability import blocker, fix_for
+from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, is_fused, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
@@ -357,11 +357,11 @@ class ApexTrainer(Trainer):
                 "hf_apex: FSDP was asked for but accelerate did not enable it (it shards on accelerators only, not "
                 "on the CPU): this run is DDP, and every process holds the whole model and optimizer state."
             )
-        if self.args.device.type == "cpu" and (self.args.bf16 or self.args.fp16):
+        if self.args.device.type == "cpu" and (self.args.fp16 or self.args.bf16 and not cpu_has_native_bf16()):
             logger.warning(
-                "hf_apex: %s autocast on the CPU is often far slower than FP32; on a CPU prefer an FP32 stage "
+                "hf_apex: %s autocast on the CPU is often far slower than FP32; here prefer an FP32 stage "
                 "(baseline, fused_adam, fused_adam_ln).",
-                "BF16" if self.args.bf16 else "FP16",
+                "FP16" if self.args.fp16 else "BF16 (this CPU has neither AVX512-BF16 nor AMX)",
             )
         if self.args.autotune or self.args.attention_backend == "fastest":
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
@@ -570,7 +570,9 @@ class ApexTrainer(Trainer):
             unfuse_linear_cross_entropy(model)  # a model reused from a run that had it
             return None
         reason = fuse_linear_cross_entropy(model) if not self.args.fp16 else "FP16 autocast keeps the stock loss"
-        if reason is not None:  # a stage turns it on for every model: only a switch of yours warrants a warning
+        # a stage turns it on for every model: only a switch of yours warrants a warning; train() applies the
+        # switches again to the same model, which says nothing new
+        if reason is not None and reason != (getattr(self, "loss_fusion", None) or {}).get("reason"):
             log = logger.info if self.args.stage else logger.warning
             log("hf_apex: fused_linear_cross_entropy is on but not used: %s.", reason)
         return {"fused_linear_cross_entropy": reason is None, "reason": reason}

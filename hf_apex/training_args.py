@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .kernels.trace import APEX, TORCH
@@ -74,6 +75,20 @@ def uses_cuda_graphs(args) -> bool:
     outputs live in memory that its next replay reuses, so a training loop marks where each step begins
     (``torch.compiler.cudagraph_mark_step_begin``)."""
     return bool(getattr(args, "torch_compile", False) and _graph_setting(args))
+
+
+def refuse_bf16_stage_without_device(args: ApexTrainingArguments) -> None:
+    """A BF16 stage on a machine with no device that runs BF16 (a CPU-only one): transformers refuses it unless
+    the run is told to use the CPU. Say which stage asked for BF16 and the two ways on."""
+    if args.stage is None or not args.bf16 or args.use_cpu:
+        return
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():  # (transformers' own test)
+        return
+    stage = get_stage(args.stage)
+    raise ValueError(
+        f"stage={stage.name!r} runs BF16 autocast ({stage.summary}), and no GPU here runs BF16: on a CPU pass "
+        "use_cpu=True (--use_cpu), or take an FP32 stage (fused_adam_ln is fused_full without autocast)."
+    )
 
 
 @dataclass
@@ -364,6 +379,7 @@ class ApexTrainingArguments(TrainingArguments):
         if self.accelerator_config is None and self.dataloader_pin_memory and not self.use_cpu:
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         refuse_accumulation_under_cuda_graphs(self)  # (before super(), which sets up the device and processes)
+        refuse_bf16_stage_without_device(self)  # (transformers' own refusal names neither the stage nor FP32)
         super().__post_init__()
         if self.attention_backend not in (None, *ATTENTION_CHOICES):
             raise ValueError(

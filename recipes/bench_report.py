@@ -544,9 +544,11 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
             [max((r.step_time_ms_p50 or 0) - lo, 0) for r, (lo, _) in zip(mine, cis)],
             [max(hi - (r.step_time_ms_p50 or 0), 0) for r, (_, hi) in zip(mine, cis)],
         ]
+        if not any(r.step_time_ms_ci for r in mine):  # runs too short for intervals: no bars that claim one
+            whiskers = None
         memory = [r.peak_memory_allocated_gib for r in mine]
         for ax, values, errors, label in (
-            (ax_row[0], step, whiskers, "step time ms, p50 [95% CI]"),
+            (ax_row[0], step, whiskers, "step time ms, p50" + (" [95% CI]" if whiskers else "")),
             (ax_row[1], memory, None, "peak VRAM allocated, GiB"),
         ):
             ax.set_title(f"{model}: {label}", fontsize=10)

@@ -38,6 +38,7 @@ import datasets
 import numpy as np
 import torch
 import transformers
+from huggingface_hub.utils import logging as hub_logging
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as exc:  # an inconsistent combination of TrainingArguments
         raise InputError(str(exc)) from exc
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    transformers.utils.logging.set_verbosity_warning()
+    setup_logging()
     check_args(script_args)
     try:  # environment problems (no GPU, no apex kernels under strict mode) before any data or model loads
         validate_apex_args(training_args)
@@ -178,6 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
     return eval_metrics
 
 
+def setup_logging() -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    hub_logging.disable_propagation()  # the Hub's client prints with its own handler: not a second time through ours
+
+
 def check_args(args: ScriptArguments) -> None:
     if (args.model_name_or_path is None) == (args.model_type is None):
         raise InputError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
@@ -185,10 +191,19 @@ def check_args(args: ScriptArguments) -> None:
         raise InputError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
     if args.config_overrides is not None and args.model_type is None:
         raise InputError("--config_overrides only applies with --model_type.")
+    for flag in ("model_name_or_path", "tokenizer_name"):
+        value = getattr(args, flag)
+        if value is not None and looks_local(value) and not Path(value).expanduser().exists():
+            raise InputError(f"--{flag} {value}: no such directory ({Path(value).expanduser().resolve()}).")
     for name in ("max_train_samples", "max_eval_samples", "block_size", "max_seq_length"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise InputError(f"--{name} must be positive, got {value}.")
+
+
+def looks_local(name: str) -> bool:
+    """A folder, not a Hub id: a Hub id is `name` or `namespace/name`, never `./x`, `/x`, `~/x` or `a/b/c`."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def hub_call(what: str, fn, *args, **kwargs):

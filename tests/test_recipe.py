@@ -189,6 +189,41 @@ def test_offline_hub_names_fail_with_the_offline_alternative(args, says, word_to
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(model_name_or_path="./models/my-bert"),
+        dict(model_name_or_path="/no/such/model"),
+        dict(model_type="bert", tokenizer_name="../shared/data/tokenizers/no-such-tokenizer"),
+    ],
+)
+def test_a_missing_local_folder_is_named_not_looked_up_on_the_hub(flags, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (flag, value), *_ = [(k, v) for k, v in flags.items() if k != "model_type"]
+    with pytest.raises(finetune.InputError) as failed:
+        finetune.check_args(finetune.ScriptArguments(task="sst2", **flags))
+    assert str(failed.value).startswith(f"--{flag} {value}: no such directory")
+    assert str(Path(value).resolve()) in str(failed.value)
+
+
+@pytest.mark.parametrize("name", ["bert-base-uncased", "openai-community/gpt2"])
+def test_hub_ids_are_left_to_the_hub(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    finetune.check_args(finetune.ScriptArguments(task="sst2", model_name_or_path=name))  # no InputError
+
+
+def test_the_hubs_warnings_print_once():
+    """The Hub's client logs through a handler of its own and, despite its docs, propagates to the root logger
+    that the recipe configures: each retry warning printed twice."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(RECIPE.parent)!r}); import finetune, logging; finetune.setup_logging(); "
+        "logging.getLogger('huggingface_hub.file_download').warning('the Hub is unreachable')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("the Hub is unreachable") == 1
+
+
 def test_a_hub_failure_without_hf_hub_offline_says_how_to_fail_fast(monkeypatch):
     """Offline without HF_HUB_OFFLINE, the Hub's client retries for about a minute before it fails: say how not to."""
 

@@ -626,14 +626,27 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, family, ta
     assert reads == [0, 0, 0]
 
 
-def test_autocast_on_the_cpu_warns_that_fp32_is_faster(tmp_path, caplog):
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bf16_autocast_warns_on_a_cpu_without_bf16_hardware(native_bf16, tmp_path, caplog, monkeypatch):
     import logging
 
+    import hf_apex.trainer
+
+    monkeypatch.setattr(hf_apex.trainer, "cpu_has_native_bf16", lambda: native_bf16)
     with caplog.at_level(logging.WARNING, logger="hf_apex"):
         ApexTrainer(
             model=tiny_model("gpt2"), args=train_args(tmp_path, stage="fused_full"), train_dataset=TokenDataset()
         )
-    assert "BF16 autocast on the CPU is often far slower than FP32" in caplog.text
+    warned = "BF16 (this CPU has neither AVX512-BF16 nor AMX) autocast on the CPU is often far slower" in caplog.text
+    assert warned is not native_bf16
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from Linux's /proc/cpuinfo")
+def test_native_bf16_is_what_the_cpu_flags_say():
+    from hf_apex.kernels.availability import cpu_has_native_bf16
+
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_tile"})
 
 
 def test_trainers_sharing_a_model_each_train_with_their_own_norms(tmp_path):

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 from transformers import HfArgumentParser
+from transformers.utils import is_torch_bf16_gpu_available
 
 from hf_apex import STAGES, ApexTrainingArguments
 from hf_apex.trainer import why_not_compile
@@ -167,6 +168,19 @@ def test_fused_full_with_fp16():
 def test_contradictions_are_value_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         make(**kw)
+
+
+@pytest.mark.skipif(is_torch_bf16_gpu_available(), reason="a GPU that runs BF16 takes a BF16 stage without use_cpu")
+def test_a_bf16_stage_without_a_gpu_names_the_stage_and_the_two_ways_on():
+    with pytest.raises(ValueError) as refused:
+        ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_full")
+    message = str(refused.value)
+    assert message.startswith("stage='fused_full' runs BF16 autocast") and "--use_cpu" in message
+    assert "fused_adam_ln" in message
+    assert ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_full", use_cpu=True).bf16
+    assert not ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_adam_ln").bf16
+    with pytest.raises(ValueError, match="doesn't support bf16"):  # no stage: transformers' own refusal
+        ApexTrainingArguments(output_dir="unused", report_to="none", bf16=True)
 
 
 def test_no_stage_leaves_trainingarguments_defaults():

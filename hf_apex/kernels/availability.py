@@ -185,6 +185,13 @@ def _driver_version() -> str | None:
         return None
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes BF16 in hardware (x86's AVX512-BF16 or AMX): elsewhere BF16 autocast on the CPU is
+    converted to and from FP32 around each op, often far slower than FP32 itself."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # (private, hence the guard)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def environment() -> dict:
     """The GPU and the software that runs the kernels: for provenance, the doctor and the autotune cache key."""
     cuda = torch.cuda.is_available()
