@@ -16,7 +16,7 @@ works; `python recipes/finetune.py --help` lists them all.
     python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full \
         --max_steps 300 --output_dir out/sst2-hub
 
-    On a CPU add --use_cpu and take an FP32 stage (fused_adam_ln): BF16 autocast on a CPU is often far slower.
+    On a CPU add --use_cpu, with torch_fused where the CPU has AVX512-BF16 or AMX, else an FP32 stage (fused_adam_ln).
 
 `--data_dir` holds `sst2/{train,dev}.tsv` (columns `sentence`, `label`) and/or
 `wikitext-2/{train,valid}.txt`. The eval accuracy or perplexity is written into
