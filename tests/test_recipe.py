@@ -303,11 +303,11 @@ def test_sequences_longer_than_the_model_are_refused(task, flag, generated_data,
 
 
 def test_strict_kernels_without_a_gpu_fail_before_anything_loads(tmp_path):
-    """The real blocker (no GPU), in one line, before the tokenizer (here one that does not exist) is even read."""
+    """The real blocker (no GPU), in one line, before the tokenizer (a Hub id that does not exist) is looked up."""
     out = run_cli(
-        *["--task", "sst2", "--model_type", "bert", "--tokenizer_name", str(tmp_path / "no-tokenizer")],
+        *["--task", "sst2", "--model_type", "bert", "--tokenizer_name", "hf-apex-tests/no-such-tokenizer"],
         *["--stage", "fused_full", "--apex_strict_kernels", "--use_cpu", "--output_dir", str(tmp_path / "out")],
-        env={"CUDA_VISIBLE_DEVICES": ""},
+        env={"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"},
     )
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.startswith("finetune.py: error: apex_strict_kernels=True") and "no CUDA GPU" in out.stderr
