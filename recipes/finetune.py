@@ -81,6 +81,13 @@ class InputError(ValueError):
 
 
 class Parser(HfArgumentParser):
+    def __init__(self, dataclass_types):
+        super().__init__(dataclass_types)
+        for action in self._actions:  # HfArgumentParser gives `--no_x` the help of `--x`, which then reads backwards
+            flag = action.option_strings[0] if action.option_strings else ""
+            if flag.startswith("--no_"):
+                action.help = f"Turn --{flag.removeprefix('--no_')} off."
+
     def error(self, message):  # a typo gets one line with the valid choices, not the whole usage
         self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
 
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
     trainer.log_metrics("eval", eval_metrics)
     if trainer.is_world_process_zero():
-        update_metrics_file(
+        metrics_path = update_metrics_file(
             training_args.output_dir,
             task=script_args.task,
             eval={k: float(v) for k, v in eval_metrics.items()},
@@ -175,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if script_args.save_final_model:
         trainer.save_model()
+    if trainer.is_world_process_zero():
+        saved = " and the model" if script_args.save_final_model else ""
+        logger.info("Wrote the metrics (%s)%s to %s", metrics_path.name, saved, metrics_path.parent.resolve())
     return eval_metrics
 
 

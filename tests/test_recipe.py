@@ -130,10 +130,13 @@ def test_wikitext2_on_real_data(real_slices, tmp_path):
 
 
 @pytest.mark.parametrize("task", ["sst2", "wikitext2"])
-def test_generated_data(task, generated_data, word_tokenizer, tmp_path):
+def test_generated_data(task, generated_data, word_tokenizer, tmp_path, caplog):
     shape = ["--block_size", "32"] if task == "wikitext2" else ["--pad_to_max_length", "--max_seq_length", "16"]
     extra = ["--stage", "fused_adam_ln", "--max_steps", "3", "--max_eval_samples", "8", *shape]
-    finetune.main(recipe_args(task, generated_data, word_tokenizer, tmp_path / "out", *extra))
+    with caplog.at_level("INFO", logger="finetune"):
+        finetune.main(recipe_args(task, generated_data, word_tokenizer, tmp_path / "out", *extra))
+    assert f"Wrote the metrics (hf_apex_metrics.json) and the model to {(tmp_path / 'out').resolve()}" in caplog.text
+    assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
     m = metrics_of(tmp_path / "out")
     assert m["data"]["eval_examples"] == 8 and m["rewire"]["num_swapped"] > 0
     assert m["run"]["seq_len"] == (32 if task == "wikitext2" else 16)
@@ -170,6 +173,8 @@ def test_help_lists_every_flag():
     assert out.returncode == 0
     for flag in ("--task", "--data_dir", "--model_type", "--stage", "--learning_rate", "--resume_from_checkpoint"):
         assert flag in out.stdout
+    helps = " ".join(out.stdout.split())  # argparse wraps lines
+    assert "--no-save-final-model Turn --save_final_model off." in helps  # not the help of --save_final_model
 
 
 @pytest.mark.parametrize(
