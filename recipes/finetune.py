@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     if script_args.task == "wikitext2":
         eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
     trainer.log_metrics("eval", eval_metrics)
+    if script_args.save_final_model:
+        trainer.save_model()
     if trainer.is_world_process_zero():
         metrics_path = update_metrics_file(
             training_args.output_dir,
@@ -180,9 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
             train={k: float(v) for k, v in train_result.metrics.items()},
             data={"train_examples": len(train_ds), "eval_examples": len(eval_ds), "source": data_source(script_args)},
         )
-    if script_args.save_final_model:
-        trainer.save_model()
-    if trainer.is_world_process_zero():
         saved = " and the model" if script_args.save_final_model else ""
         logger.info("Wrote the metrics (%s)%s to %s", metrics_path.name, saved, metrics_path.parent.resolve())
     return eval_metrics
