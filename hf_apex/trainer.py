@@ -572,7 +572,7 @@ class ApexTrainer(Trainer):
         reason = fuse_linear_cross_entropy(model) if not self.args.fp16 else "FP16 autocast keeps the stock loss"
         # a stage turns it on for every model: only a switch of yours warrants a warning; train() applies the
         # switches again to the same model, which says nothing new
-        if reason is not None and reason != (getattr(self, "loss_fusion", None) or {}).get("reason"):
+        if reason is not None and reason != (self.loss_fusion or {}).get("reason"):
             log = logger.info if self.args.stage else logger.warning
             log("hf_apex: fused_linear_cross_entropy is on but not used: %s.", reason)
         return {"fused_linear_cross_entropy": reason is None, "reason": reason}

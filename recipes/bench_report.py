@@ -540,12 +540,12 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
         hatches = ["//" if r.backend == "fallback" else "" for r in mine]
         step = [r.step_time_ms_p50 for r in mine]
         cis = [r.step_time_ms_ci or (r.step_time_ms_p50 or 0,) * 2 for r in mine]
-        whiskers = [  # (the p50 was computed from unrounded times: clip rounding's negative hairs)
-            [max((r.step_time_ms_p50 or 0) - lo, 0) for r, (lo, _) in zip(mine, cis)],
-            [max(hi - (r.step_time_ms_p50 or 0), 0) for r, (_, hi) in zip(mine, cis)],
-        ]
-        if not any(r.step_time_ms_ci for r in mine):  # runs too short for intervals: no bars that claim one
-            whiskers = None
+        whiskers = None  # runs too short for intervals: no bars that claim one
+        if any(r.step_time_ms_ci for r in mine):  # (the p50 was computed from unrounded times: clip rounding's hairs)
+            whiskers = [
+                [max((r.step_time_ms_p50 or 0) - lo, 0) for r, (lo, _) in zip(mine, cis)],
+                [max(hi - (r.step_time_ms_p50 or 0), 0) for r, (_, hi) in zip(mine, cis)],
+            ]
         memory = [r.peak_memory_allocated_gib for r in mine]
         for ax, values, errors, label in (
             (ax_row[0], step, whiskers, "step time ms, p50" + (" [95% CI]" if whiskers else "")),
