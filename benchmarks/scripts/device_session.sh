@@ -5,7 +5,7 @@
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py) | attnstep:<model>[:nodrop]
+# test) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
 # (benchmarks/scripts/attention_in_step.py) | cupti
 # (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
@@ -66,7 +66,8 @@ for step in "$@"; do
       timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json --kernels > $OUT/sdpa.log 2>&1
       echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
     losschunk)
-      timeout -k 10 $(left) python3 benchmarks/scripts/loss_chunk.py --out $OUT/loss_chunk.json > $OUT/loss_chunk.log 2>&1
+      timeout -k 10 $(left) python3 benchmarks/scripts/loss_chunk.py --out $OUT/loss_chunk.json \
+        ${LC_VARIANTS:+--variants "$LC_VARIANTS"} > $OUT/loss_chunk.log 2>&1
       echo "losschunk rc $?"; cut -c1-200 $OUT/loss_chunk.log | grep -v "^\[" | tail -60;;
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"

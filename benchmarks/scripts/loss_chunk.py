@@ -64,9 +64,24 @@ def scatter_forward(ctx, hidden, weight, targets, divisor, ignore_index, amp, gr
 
 
 VARIANTS = {
-    "current": L.LinearCrossEntropy,
+    "current": L.LinearCrossEntropy,  # the row kernel where it runs (a CUDA GPU with Triton), else torch's ops
+    "torch": L.LinearCrossEntropy,  # the same with the row kernel off: each chunk in torch's ops, fused by Inductor
     "scatter": type("LinearCrossEntropyScatter", (L.LinearCrossEntropy,), {"forward": staticmethod(scatter_forward)}),
 }
+
+
+def configure(name: str, logits: int) -> tuple[str, dict]:
+    """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under."""
+    base, _, spec = name.partition("@")
+    opts = dict(kv.split("=") for kv in spec.split(",") if kv)
+    settings = {"_row_kernel_runs": (lambda h: False) if base in ("torch", "scatter") else L._row_kernel_runs}
+    if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
+        settings["CHUNK_ELEMENTS"] = -(-logits // int(opts["chunks"]))
+    if "block" in opts:
+        settings["ROW_BLOCK"] = int(opts["block"])
+    if "warps" in opts:
+        settings["ROW_WARPS"] = int(opts["warps"])
+    return base, settings
 
 
 def step_fn(cls, amp):
@@ -84,7 +99,7 @@ def main():
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=";".join(VARIANTS), help="';'-separated, e.g. 'torch;current@chunks=4'")
     p.add_argument("--out")
     o = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -96,8 +111,16 @@ def main():
     targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
     amp = torch.bfloat16
     results, reference = {}, None
-    for name in o.variants.split(","):
-        step = step_fn(VARIANTS[name], amp)
+    defaults = {k: getattr(L, k) for k in ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")}
+    for name in o.variants.split(";"):
+        base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE))
+        for k, v in {**defaults, **settings}.items():
+            setattr(L, k, v)
+        torch._dynamo.reset()
+        step = step_fn(VARIANTS[base], amp)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         try:
             out = step(hidden, weight, targets)  # compiles
         except Exception as e:  # e.g. an op Inductor cannot lower on this torch: recorded, the others go on
@@ -130,12 +153,14 @@ def main():
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
                 kernels.append({"name": e.key[:110], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 3)})
         results[name] = {
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
             "ms_p50": round(statistics.median(times), 3) if times else None,
             "ms_min": round(min(times), 3) if times else None,
             "relative_gap_to_current": gaps,
             "kernels": kernels,
         }
-        print(f"{name:16s} p50 {results[name]['ms_p50']} ms  gaps {gaps}", flush=True)
+        r = results[name]
+        print(f"{name:32s} p50 {r['ms_p50']} ms  peak {r['peak_gib']} GiB  gaps {gaps}", flush=True)
         for k in kernels:
             print(f"    {k['ms']:8.3f} ms  x{k['calls']:<3d} {k['name']}")
     if o.out:

@@ -124,9 +124,19 @@ def is_fused_norm_available() -> bool:
     return install_error("layer_norm") is None
 
 
+@functools.lru_cache
+def has_triton_gpu() -> bool:
+    """Triton is installed and can compile for this machine's GPU (hf_apex's own kernels; none on a CPU)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and has_triton()
+
+
 def clear_caches() -> None:
     """Forget cached answers (tests, or after building apex in the same process)."""
-    for fn in (is_apex_available, extension_error, install_error):
+    for fn in (is_apex_available, extension_error, install_error, has_triton_gpu):
         fn.cache_clear()
 
 

@@ -24,12 +24,81 @@ import functools
 import torch
 from torch import nn
 
+from .availability import has_triton_gpu
+
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB): the positions go in 1, 2, 4... chunks
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 # Config attributes that put something between the head and the softmax in some families.
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+ROW_BLOCK, ROW_WARPS = 4096, 8  # the row kernel's columns per load and warps per row
+
+
+@functools.cache
+def _rows_op():
+    """``hf_apex::softmax_xent_rows_``: for each row of a chunk's logits, the FP32 log-sum-exp over the first
+    ``vocab`` columns (an online max and sum: one read) and the row's loss, and then, where asked, the gradient
+    ``softmax - one_hot(target)`` (zero in the padding columns and in rows whose target is ``ignore_index``) written
+    over the logits in their dtype (a second read and one write). Torch's ops would hold FP32 logits or read them
+    a third time. A `torch.library.triton_op`, so Inductor sees the kernel inside a compiled graph."""
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    @triton.jit
+    def softmax_xent_rows(
+        logits, row_stride, targets, losses, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = logits + tl.program_id(0).to(tl.int64) * row_stride
+        target = tl.load(targets + tl.program_id(0))
+        counted = target != ignore_index
+        target = tl.where(counted, target, 0)
+        offsets = tl.arange(0, BLOCK)
+        top = float("-inf")
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
+            new_top = tl.maximum(top, tl.max(x, 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
+            top = new_top
+        lse = top + tl.log(total)
+        picked = tl.load(row + target).to(tl.float32)
+        tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+        if GRAD:
+            for start in range(0, cols, BLOCK):
+                c = start + offsets
+                x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
+                g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
+                tl.store(row + c, tl.where(counted, g, 0.0).to(row.dtype.element_ty), mask=c < cols)
+
+    @triton_op("hf_apex::softmax_xent_rows_", mutates_args={"logits"})
+    def softmax_xent_rows_(
+        logits: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, grad: bool
+    ) -> torch.Tensor:
+        assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
+        losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        wrap_triton(softmax_xent_rows)[(logits.shape[0],)](
+            logits,
+            logits.stride(0),
+            targets,
+            losses,
+            vocab,
+            logits.shape[1],
+            ignore_index,
+            GRAD=grad,
+            BLOCK=ROW_BLOCK,
+            num_warps=ROW_WARPS,
+        )
+        return losses
+
+    return softmax_xent_rows_
+
+
+def _row_kernel_runs(hidden: torch.Tensor) -> bool:
+    return hidden.is_cuda and has_triton_gpu()
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -54,30 +123,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h = [] if grad_hidden else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grad_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        compiled = torch.compiler.is_compiling()
-        cols = torch.arange(w.shape[0], device=h.device) if compiled else None
+        cols = torch.arange(w.shape[0], device=h.device) if torch.compiler.is_compiling() else None
+        rows = _rows_op() if _row_kernel_runs(h) else None
         for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
-            logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
-            # the padding rows take no part in the softmax
-            if compiled:
-                logits = logits.masked_fill(cols >= vocab, float("-inf"))
+            if rows is not None:  # one kernel reads the chunk's logits twice and leaves their gradient in their place
+                g = hc @ w.T
+                loss = rows(g, yc, vocab, ignore_index, grad_hidden or grad_weight).sum()
             else:
-                logits[:, vocab:] = float("-inf")
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = yc != ignore_index
-            target = yc.where(valid, 0)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
+                loss, g = _chunk_in_torch(hc, w, yc, vocab, ignore_index, cols, grad_hidden or grad_weight)
+            total += loss
             if not (grad_hidden or grad_weight):
                 continue
-            # d loss / d logits = softmax - one_hot(target), where a target counts
-            if compiled:  # one pointwise expression, which Inductor fuses into the softmax's kernel (no scatter)
-                onehot = (cols == target[:, None]).to(torch.float32)
-                g = (((logits - lse[:, None]).exp() - onehot) * valid[:, None]).to(dtype)
-            else:  # in place: eager holds no second chunk-sized buffer
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
-                g = probs.mul_(valid[:, None]).to(dtype)
             if grad_hidden:
                 grad_h.append((g @ w).float())
             if grad_weight:
@@ -100,6 +156,31 @@ class LinearCrossEntropy(torch.autograd.Function):
             (grad_w * grad_loss).to(dw) if grad_w is not None else None,
             *[None] * 6,
         )
+
+
+def _chunk_in_torch(hc, w, yc, vocab, ignore_index, cols, grad):
+    """One chunk's summed loss and, where ``grad``, its d loss / d logits in the matmul's dtype (else None), in torch
+    ops: where the row kernel does not run (a CPU, no Triton). ``cols``: the columns' indices under torch.compile."""
+    logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
+    # the padding rows take no part in the softmax
+    if cols is not None:
+        logits = logits.masked_fill(cols >= vocab, float("-inf"))
+    else:
+        logits[:, vocab:] = float("-inf")
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = yc != ignore_index
+    target = yc.where(valid, 0)
+    picked = logits.gather(1, target[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not grad:
+        return loss, None
+    # d loss / d logits = softmax - one_hot(target), where a target counts
+    if cols is not None:  # compiled: one pointwise expression, which Inductor fuses into the softmax's kernel
+        onehot = (cols == target[:, None]).to(torch.float32)
+        return loss, (((logits - lse[:, None]).exp() - onehot) * valid[:, None]).to(hc.dtype)
+    probs = logits.sub_(lse[:, None]).exp_()  # eager: in place, no second chunk-sized buffer
+    probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
+    return loss, probs.mul_(valid[:, None]).to(hc.dtype)
 
 
 def causal_lm_loss(
