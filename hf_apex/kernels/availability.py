@@ -125,18 +125,19 @@ def is_fused_norm_available() -> bool:
 
 
 @functools.lru_cache
-def has_triton_gpu() -> bool:
-    """Triton is installed and can compile for this machine's GPU (hf_apex's own kernels; none on a CPU)."""
+def has_triton_ops() -> bool:
+    """hf_apex's own Triton kernels can run: Triton compiles for this machine's GPU and torch registers Triton
+    kernels as ops (`torch.library.triton_op`, torch >= 2.6)."""
     try:
         from torch.utils._triton import has_triton
     except ImportError:
         return False
-    return torch.cuda.is_available() and has_triton()
+    return torch.cuda.is_available() and hasattr(torch.library, "triton_op") and has_triton()
 
 
 def clear_caches() -> None:
     """Forget cached answers (tests, or after building apex in the same process)."""
-    for fn in (is_apex_available, extension_error, install_error, has_triton_gpu):
+    for fn in (is_apex_available, extension_error, install_error, has_triton_ops):
         fn.cache_clear()
 
 

@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from .availability import has_triton_gpu
+from .availability import has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB): the positions go in 1, 2, 4... chunks
@@ -38,15 +38,14 @@ ROW_BLOCK, ROW_WARPS = 4096, 8  # the row kernel's columns per load and warps pe
 
 
 @functools.cache
-def _rows_op():
-    """``hf_apex::softmax_xent_rows_``: for each row of a chunk's logits, the FP32 log-sum-exp over the first
-    ``vocab`` columns (an online max and sum: one read) and the row's loss, and then, where asked, the gradient
+def _rows_kernel():
+    """The Triton kernel of one program per row of a chunk's logits: the FP32 log-sum-exp over the first ``vocab``
+    columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
     ``softmax - one_hot(target)`` (zero in the padding columns and in rows whose target is ``ignore_index``) written
-    over the logits in their dtype (a second read and one write). Torch's ops would hold FP32 logits or read them
-    a third time. A `torch.library.triton_op`, so Inductor sees the kernel inside a compiled graph."""
+    over the logits in their dtype (a second read and one write). torch's ops, even fused by Inductor, hold FP32
+    logits or read them a third time."""
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 
     @triton.jit
     def softmax_xent_rows(
@@ -74,13 +73,22 @@ def _rows_op():
                 g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
                 tl.store(row + c, tl.where(counted, g, 0.0).to(row.dtype.element_ty), mask=c < cols)
 
+    return softmax_xent_rows
+
+
+@functools.cache
+def _rows_op():
+    """``hf_apex::softmax_xent_rows_(logits, targets, vocab, ignore_index, grad) -> losses``: the row kernel as a
+    `torch.library.triton_op`, which Inductor compiles into the graph around it."""
+    from torch.library import triton_op, wrap_triton
+
     @triton_op("hf_apex::softmax_xent_rows_", mutates_args={"logits"})
     def softmax_xent_rows_(
         logits: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, grad: bool
     ) -> torch.Tensor:
         assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        wrap_triton(softmax_xent_rows)[(logits.shape[0],)](
+        wrap_triton(_rows_kernel())[(logits.shape[0],)](
             logits,
             logits.stride(0),
             targets,
@@ -98,7 +106,7 @@ def _rows_op():
 
 
 def _row_kernel_runs(hidden: torch.Tensor) -> bool:
-    return hidden.is_cuda and has_triton_gpu()
+    return hidden.is_cuda and has_triton_ops()
 
 
 class LinearCrossEntropy(torch.autograd.Function):
