@@ -3,6 +3,7 @@ FP32 and under BF16 autocast, with ignored labels, gradient-accumulation divisor
 that is not a multiple of 64; the model swap; and the Trainer switch."""
 
 import json
+import os
 import pickle
 
 import pytest
@@ -102,6 +103,51 @@ def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_grad
     code = "\n".join(graphs)
     assert "masked_fill" in code and "logsumexp" in code  # the loss's chunks are in the graph
     assert "setitem" not in code and "index_put" not in code
+
+
+@pytest.fixture
+def interpreted_row_kernel(monkeypatch):
+    """The CUDA row kernel (`fused._rows_kernel`) run on CPU tensors by Triton's interpreter (tests/conftest.py
+    chooses it on a machine without a GPU; with one, tests/gpu runs the kernel itself), 32 columns a load."""
+    pytest.importorskip(
+        "triton", reason="Triton is not installed: the row kernel's maths is checked in its interpreter"
+    )
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a GPU machine): tests/gpu/test_loss_gpu.py runs the kernel")
+    monkeypatch.setattr(fused, "_row_kernel_runs", lambda hidden: True)
+    monkeypatch.setattr(fused, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
+    fused._rows_kernel.cache_clear()
+    yield
+    fused._rows_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("chunk_elements", [fused.CHUNK_ELEMENTS, 5 * 128])
+def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_elements, monkeypatch):
+    """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
+    the logits: the stock maths, with the padding columns and the ignored positions out of it."""
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_elements)
+    hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
+    got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 3.0)
+    ref = loss_and_grads(reference, hidden, weight, labels, 3.0)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the gradient is written in the logits' BF16
+        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+        ref = loss_and_grads(reference, hidden, weight, labels)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    # twice test_same_loss_and_gradients_under_bf16_autocast's bound: the interpreter truncates FP32 to BF16 where
+    # the GPU rounds to nearest (tests/gpu/test_loss_gpu.py holds the kernel to torch's rounding)
+    assert all(rel_err(a, b) < 1e-2 for a, b in zip(got[1:], ref[1:]))
+
+
+def test_the_row_kernel_without_gradients_leaves_the_logits_as_they_were(interpreted_row_kernel):
+    logits = torch.randn(6, 128).to(torch.bfloat16)
+    targets = torch.tensor([0, 99, -100, 5, 50, 7])
+    kept = logits.clone()
+    losses = fused._rows_op()(logits, targets, 100, -100, False)
+    assert torch.equal(logits, kept)
+    ref = torch.nn.functional.cross_entropy(logits[:, :100].float(), targets, reduction="none")
+    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5)  # 0 where the target is ignored
 
 
 def test_without_gradients_only_the_loss_and_a_frozen_head_gets_none():

@@ -71,7 +71,8 @@ def _rows_kernel():
                 c = start + offsets
                 x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
                 g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
-                tl.store(row + c, tl.where(counted, g, 0.0).to(row.dtype.element_ty), mask=c < cols)
+                g = tl.where(counted, g, 0.0).to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
+                tl.store(row + c, g, mask=c < cols)
 
     return softmax_xent_rows
 
