@@ -5,6 +5,8 @@ import pytest
 import torch
 import transformers
 
+from hf_apex.kernels import loss as fused
+from hf_apex.kernels.availability import has_triton_ops
 from hf_apex.kernels.loss import causal_lm_loss, fuse_linear_cross_entropy
 from tests.testing_utils import require_cuda
 
@@ -62,3 +64,38 @@ def test_under_torch_compile_the_same_loss():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, eager_h, rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(w, eager_w, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(compiled, monkeypatch):
+    """Each chunk's softmax, loss and gradient come from hf_apex's Triton row kernel on a GPU, eager and inside a
+    compiled graph, with the results of the same chunk in torch's ops (BF16 autocast, GPT-2's vocabulary)."""
+    if not has_triton_ops():
+        pytest.skip("Triton cannot run here: the chunks run in torch's ops")
+    g = torch.Generator("cuda").manual_seed(0)
+    hidden = torch.randn(4096, 768, device="cuda", generator=g, requires_grad=True)
+    weight = (0.02 * torch.randn(50257, 768, device="cuda", generator=g)).requires_grad_()
+    labels = torch.randint(0, 50257, (4, 1024), device="cuda", generator=g)
+    labels[:, :100] = -100
+
+    def loss_fn(h, w):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return causal_lm_loss(h.view(4, 1024, 768), w, labels)
+
+    def run(kernel: bool):
+        monkeypatch.setattr(fused, "_row_kernel_runs", lambda h: kernel)
+        torch._dynamo.reset()
+        fn = torch.compile(loss_fn) if compiled else loss_fn
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            loss = fn(hidden, weight)
+            grads = torch.autograd.grad(loss, [hidden, weight])
+            torch.cuda.synchronize()
+        ran = any("softmax_xent_rows" in e.key for e in prof.key_averages())
+        return loss, grads, ran
+
+    loss, (gh, gw), ran = run(kernel=True)
+    ref, (rh, rw), ref_ran = run(kernel=False)
+    assert ran and not ref_ran
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)  # FP32 sums in another order
+    for a, b in ((gh, rh), (gw, rw)):  # the same BF16 gradient of the logits but for rare roundings of exp
+        assert float((a - b).norm() / b.norm()) < 2e-3
