@@ -12,6 +12,10 @@ autocast dtype before the FP32 softmax. The head's weight is padded to a multipl
 (50,257 → 50,304: shapes the tensor cores take whole) and the padded logits are masked out of the softmax, so
 the loss and the gradients are those of the unpadded head.
 
+Between a chunk's matmuls, on a CUDA GPU with Triton, one kernel of hf_apex's (:func:`_rows_kernel`) does the
+softmax's work: it reads the chunk's BF16 logits once for the log-sum-exp (an online max and sum) and once more to
+write the gradient in their place. Elsewhere (a CPU) torch's ops do it, fused by Inductor under torch.compile.
+
 :func:`fuse_linear_cross_entropy` swaps a model's class, on that instance only, for a subclass whose forward
 computes its training loss this way (``print(model)`` says so); evaluation, generation and calls without labels
 run the stock forward.
