@@ -70,11 +70,11 @@ VARIANTS = {
 }
 
 
-def configure(name: str, logits: int) -> tuple[str, dict]:
+def configure(name: str, logits: int, defaults: dict) -> tuple[str, dict]:
     """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under."""
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
-    settings = {"_row_kernel_runs": (lambda h: False) if base in ("torch", "scatter") else L._row_kernel_runs}
+    settings = {"_row_kernel_runs": (lambda h: False) if base in ("torch", "scatter") else defaults["_row_kernel_runs"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
         settings["CHUNK_ELEMENTS"] = -(-logits // int(opts["chunks"]))
     if "block" in opts:
@@ -113,7 +113,7 @@ def main():
     results, reference = {}, None
     defaults = {k: getattr(L, k) for k in ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")}
     for name in o.variants.split(";"):
-        base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE))
+        base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE), defaults)
         for k, v in {**defaults, **settings}.items():
             setattr(L, k, v)
         torch._dynamo.reset()
