@@ -74,7 +74,8 @@ def configure(name: str, logits: int, defaults: dict) -> tuple[str, dict]:
     """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under."""
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
-    settings = {"_row_kernel_runs": (lambda h: False) if base in ("torch", "scatter") else defaults["_row_kernel_runs"]}
+    off = base in ("torch", "scatter")
+    settings = {"_row_kernel_runs": (lambda h: False) if off else defaults["_row_kernel_runs"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
         settings["CHUNK_ELEMENTS"] = -(-logits // int(opts["chunks"]))
     if "block" in opts:
