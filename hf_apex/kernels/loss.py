@@ -31,7 +31,7 @@ from torch import nn
 from .availability import has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
-CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB): the positions go in 1, 2, 4... chunks
+CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB; twice that under the row kernel): 1, 2, 4... chunks
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 # Config attributes that put something between the head and the softmax in some families.
@@ -129,15 +129,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         h = hidden.to(dtype)
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
-        # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph
+        rows = _rows_op() if _row_kernel_runs(h) else None
+        # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph.
+        # The row kernel holds a chunk's logits in the matmul's dtype only, half of FP32's bytes: twice the logits.
+        # (On an H200, GPT-2's loss in 4 chunks took 7.55 ms against 8.13 in 8; benchmarks/h200-2026-12-03-rows.)
+        budget = CHUNK_ELEMENTS * (2 if rows is not None else 1)
         chunks = 1
-        while chunks * CHUNK_ELEMENTS < h.shape[0] * w.shape[0]:
+        while chunks * budget < h.shape[0] * w.shape[0]:
             chunks *= 2
         grad_h = [] if grad_hidden else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grad_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         cols = torch.arange(w.shape[0], device=h.device) if torch.compiler.is_compiling() else None
-        rows = _rows_op() if _row_kernel_runs(h) else None
         for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
             if rows is not None:  # one kernel reads the chunk's logits twice and leaves their gradient in their place
                 g = hc @ w.T
