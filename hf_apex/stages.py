@@ -5,9 +5,10 @@ stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`
 :class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
 four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
 the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and
-sin computed once per forward, pointwise results recomputed in the backward where the loss reads the logits, a loss
-that never holds the logits and the SDPA backend timed fastest on your GPU, and
-``auto``, which times apex against torch on your GPU and replays the step's kernels as CUDA graphs).
+sin computed once per forward, dropout's masks drawn by torch's own kernels inside the compiled graph, pointwise
+results recomputed in the backward where the loss reads the logits, a loss that never holds the logits and the SDPA
+backend timed fastest on your GPU, and ``auto``, which times apex against torch on your GPU and replays the step's
+kernels as CUDA graphs).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
@@ -49,6 +50,8 @@ class StageConfig:
         compile_rotary_once: with `torch_compile`, a RoPE model's cos and sin are computed once per forward, not
             inside every attention layer's compiled kernels (`hf_apex.kernels.rotary`); the same values. A default,
             as above.
+        compile_eager_random: with `torch_compile`, random ops (dropout's masks) run torch's own kernels inside the
+            compiled graph, as eager draws them, instead of Inductor's per-element Philox. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -68,6 +71,7 @@ class StageConfig:
     compile_min_steps: int | None = None
     compile_recompute_pointwise: str | None = None
     compile_rotary_once: bool | None = None
+    compile_eager_random: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -78,6 +82,7 @@ class StageConfig:
         "compile_min_steps",
         "compile_recompute_pointwise",
         "compile_rotary_once",
+        "compile_eager_random",
         "attention_backend",
     )
 
@@ -111,9 +116,9 @@ STAGES: dict[str, StageConfig] = {
         ),
         StageConfig(
             "fastest",
-            "compiled with CUDA graphs, RoPE's cos/sin once per forward and pointwise results recomputed where the "
-            "loss reads the logits + a causal LM's loss without its logits + the fastest SDPA backend, timed on this "
-            "GPU",
+            "compiled with CUDA graphs, RoPE's cos/sin once per forward, torch's dropout kernels and pointwise "
+            "results recomputed where the loss reads the logits + a causal LM's loss without its logits + the "
+            "fastest SDPA backend, timed on this GPU",
             **_TORCH_FUSED,
             **_INDUCTOR,
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
@@ -133,6 +138,9 @@ STAGES: dict[str, StageConfig] = {
             # (benchmarks/h200-2026-12-01-causal-steps, benchmarks/h200-2026-12-01-recompute)
             compile_recompute_pointwise="auto",
             compile_rotary_once=True,
+            # dropout's masks drawn by torch's kernels: on an H200 BERT-base 128x128's step took 26.27 ms against
+            # 27.11, GPT-2's 35.57 against 36.05 (benchmarks/h200-2026-12-03-random)
+            compile_eager_random=True,
         ),
         StageConfig(
             "auto",

@@ -18,9 +18,9 @@ repay compilation, see ``compile_min_steps``, or when the ``cudagraphs`` backend
 ``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions or
 those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the model's
 SDPA masks decided without reading a tensor; compiled, Dynamo's graphs dropped when they were compiled under other
-partitioner settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch without
+compile settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch without
 ``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; compiled,
-under this run's partitioner settings, see :func:`compiled_backward_settings`; the run's first step leaves accelerate's
+under this run's compile settings, see :func:`compiled_step_settings`; the run's first step leaves accelerate's
 FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune in an eager run, it first times the
 model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`, and
 in a long run checks that choice on the whole steps that follow, see :class:`~hf_apex.autotune.NormTrial`; and names
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import inspect
 import json
 import logging
@@ -159,50 +160,54 @@ def why_not_compile(args, train_dataset) -> str | None:
     )
 
 
-def partitioner_settings(args, model: nn.Module | None) -> dict:
-    """The ``torch._functorch.config`` settings (what torch.compile's partitioner keeps from the forward for the
-    backward) of a run's training steps on ``model``: with ``compile_recompute_pointwise`` (``"true"``, or
-    ``"auto"`` for a model whose loss reads its logits), pointwise results the backward's matmuls read are
-    recomputed there instead. Empty: torch's defaults."""
+def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
+    """torch.compile's settings for a run's training steps on ``model``, by config module (empty: torch's defaults).
+
+    - ``compile_recompute_pointwise`` (``"true"``, or ``"auto"`` for a model whose loss reads its logits): the
+      partitioner recomputes in the backward the pointwise results that the backward's matmuls read
+      (``torch._functorch.config``).
+    - ``compile_eager_random``: random ops, dropout's masks among them, run torch's own kernels inside the compiled
+      graph, as eager mode draws them (``torch._inductor.config.fallback_random``)."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
+    settings = {}
     wanted = args.compile_recompute_pointwise
     if wanted == "true" or (wanted == "auto" and (model is None or not is_fused(model))):
-        return {"ban_recompute_materialized_backward": False}
-    return {}
+        settings["torch._functorch.config"] = {"ban_recompute_materialized_backward": False}
+    if args.compile_eager_random:
+        settings["torch._inductor.config"] = {"fallback_random": True}
+    return settings
 
 
-def compiled_backward_settings(args, model: nn.Module | None):
-    """:func:`partitioner_settings` set around one training step, then torch's own again: another trainer's steps,
-    and compiled code of yours, keep theirs."""
-    settings = partitioner_settings(args, model)
-    if not settings:
-        return contextlib.nullcontext()
-    import torch._functorch.config
-
-    return torch._functorch.config.patch(**settings)
+def compiled_step_settings(args, model: nn.Module | None) -> contextlib.ExitStack:
+    """:func:`compile_settings` set around one training step (torch.compile compiles inside the first), then torch's
+    own again: another trainer's steps, and compiled code of yours, keep theirs."""
+    stack = contextlib.ExitStack()
+    for module, settings in compile_settings(args, model).items():
+        stack.enter_context(importlib.import_module(module).patch(**settings))
+    return stack
 
 
-# The partitioner settings of the graphs the last compiled ApexTrainer run left in Dynamo's cache. Dynamo's cache is
-# the process's, and it reuses a graph for another model of the same class without looking at these settings.
+# The compile settings of the graphs the last compiled ApexTrainer run left in Dynamo's cache. Dynamo's cache is the
+# process's, and it reuses a graph for another model of the same class without looking at these settings.
 # None: no compiled run yet (the graphs compiled before, if any, are yours, under torch's settings).
 _graphs_compiled_under: dict | None = None
 
 
 def compile_under_own_settings(args, model: nn.Module | None) -> None:
-    """Before a compiled run: when its partitioner settings differ from those of the graphs the previous compiled run
-    of this process left, drop torch's compiled graphs (``torch._dynamo.reset``), so that this run compiles its own
+    """Before a compiled run: when its compile settings differ from those of the graphs the previous compiled run of
+    this process left, drop torch's compiled graphs (``torch._dynamo.reset``), so that this run compiles its own
     (yours recompile at their next call)."""
     global _graphs_compiled_under
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return
-    settings = partitioner_settings(args, model)
+    settings = compile_settings(args, model)
     if settings != (_graphs_compiled_under or {}):
         if _graphs_compiled_under is not None:
             logger.info(
-                "hf_apex: this run's compiled backward keeps other results than the graphs an earlier run compiled "
-                "in this process (compile_recompute_pointwise): torch's compiled graphs are dropped, to compile "
-                "this run's own."
+                "hf_apex: this run compiles under other settings than the graphs an earlier run compiled in this "
+                "process (compile_recompute_pointwise, compile_eager_random): torch's compiled graphs are dropped, "
+                "to compile this run's own."
             )
         torch._dynamo.reset()
     _graphs_compiled_under = settings
@@ -427,8 +432,8 @@ class ApexTrainer(Trainer):
         return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
 
     def training_step(self, model, inputs, *args, **kwargs):
-        masks, backward = self._one_sequence_per_row(inputs), compiled_backward_settings(self.args, self.model)
-        with one_sequence_per_row(masks), backward:
+        masks, compiled = self._one_sequence_per_row(inputs), compiled_step_settings(self.args, self.model)
+        with one_sequence_per_row(masks), compiled:
             return self._training_step(model, inputs, *args, **kwargs)
 
     def _training_step(self, model, inputs, *args, **kwargs):
@@ -654,7 +659,7 @@ class ApexTrainer(Trainer):
             kernels["norms_under_torch_compile"] = self._norms_in_graphs()
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
-        elif partitioner_settings(self.args, self.model):
+        elif "torch._functorch.config" in compile_settings(self.args, self.model):
             kernels["compiled_backward"] = (
                 "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
             )
@@ -663,6 +668,8 @@ class ApexTrainer(Trainer):
                 "keeps the pointwise results its matmuls read (compile_recompute_pointwise=auto: the loss runs "
                 "without the logits)"
             )
+        if not self.compile_skipped and "torch._inductor.config" in compile_settings(self.args, self.model):
+            kernels["random_ops"] = "torch's own kernels inside the compiled graph (compile_eager_random)"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

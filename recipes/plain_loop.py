@@ -6,7 +6,8 @@
 (without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
 shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR schedule and gradient
 clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16), `torch.compile`, masks (batches
-leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), loss
+leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), the
+compile settings (`--compile_recompute_pointwise`, `--compile_eager_random`), loss
 (`--fused_linear_cross_entropy`) and SDPA backend (`--attention_backend`, decided on the first batch as the Trainer
 does); `num_items_in_batch` counted as the Trainer counts it; `zero_grad(set_to_none=True)`; pinned batches copied
 without blocking; the loss read on the host every `--logging_steps` steps, at the end of the step after (as
@@ -41,7 +42,7 @@ from hf_apex.measure.steps import StepTimer
 from hf_apex.trainer import (
     DropFullAttentionMask,
     HostCopy,
-    compiled_backward_settings,
+    compiled_step_settings,
     drops_full_attention_mask,
     keep_fp32_strict,
     why_not_compile,
@@ -176,7 +177,7 @@ def main(out_json: str, argv: list[str]) -> dict:
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with compiled_backward_settings(args, raw):  # as ApexTrainer (of the model, not its compiled wrapper)
+        with compiled_step_settings(args, raw):  # as ApexTrainer (of the model, not its compiled wrapper)
             with (
                 torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
                 preferring(attention),

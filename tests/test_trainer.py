@@ -379,6 +379,33 @@ def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_n
     assert auto_says.startswith("keeps") and "without the logits" in auto_says
 
 
+def test_compile_eager_random_draws_dropouts_masks_as_eager_mode_does(tmp_path):
+    """With compile_eager_random, a run compiled by Inductor draws its dropout masks with torch's own kernels: from
+    the same seed, the same masks as the eager run, so the same losses (to the compiler's roundings). Without it,
+    Inductor generates its own random numbers: other masks, other losses. The switch holds for the training steps
+    only, and the metrics JSON says so."""
+    import torch._inductor.config as inductor
+
+    def losses(name, **switches):
+        model = tiny_model("bert", hidden_dropout_prob=0.5, attention_probs_dropout_prob=0.0).train()
+        args = train_args(tmp_path / name, max_steps=3, **switches)
+        ApexTrainer(model=model, args=args, train_dataset=TokenDataset(task="cls")).train()
+        assert inductor.fallback_random is False  # (torch's default, outside the steps)
+        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+        return [h["loss"] for h in metrics["loss_history"]], metrics["kernels"]
+
+    torch._dynamo.reset()
+    eager, _ = losses("eager")
+    inductor_own, kernels = losses("inductor", torch_compile=True)
+    assert "random_ops" not in kernels
+    torch._dynamo.reset()  # (the next run compiles under its own setting: ApexTrainer resets between runs too)
+    torch_own, kernels = losses("eager-random", torch_compile=True, compile_eager_random=True)
+    torch._dynamo.reset()
+    assert kernels["random_ops"].startswith("torch's own kernels")
+    assert torch_own == pytest.approx(eager, rel=1e-4)
+    assert inductor_own != pytest.approx(eager, rel=1e-2)
+
+
 def test_compile_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
     model = tiny_model("llama").train()
     switches = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=2)

@@ -136,6 +136,16 @@ def test_fastest_computes_rotary_cos_and_sin_once_and_only_a_compiled_run_may():
             make(stage=stage, compile_rotary_once=True)
 
 
+def test_fastest_draws_random_numbers_with_torchs_kernels_and_only_a_compiled_run_may():
+    assert make(stage="fastest").compile_eager_random is True
+    assert make(stage="fastest", compile_eager_random=False).compile_eager_random is False  # yours wins
+    assert not make(stage="compiled").compile_eager_random
+    assert make(stage="compiled", compile_eager_random=True).compile_eager_random is True
+    for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
+        with pytest.raises(ValueError, match="compile_eager_random=True .* but torch_compile is off"):
+            make(stage=stage, compile_eager_random=True)
+
+
 def test_fused_full_with_fp16():
     args = make(stage="fused_full", amp_dtype="fp16")
     assert args.fp16 and not args.bf16

@@ -133,3 +133,32 @@ def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_pa
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
     )
     assert len(fastest["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
+
+
+def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_path):
+    """Under `fastest`'s compile_eager_random, dropout's masks come from torch's generator inside the CUDA graphs of
+    its compile mode: every replay draws new ones. A graph that replayed the masks it recorded would train every
+    step under one mask."""
+    from hf_apex.trainer import compiled_step_settings
+
+    args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", report_to="none")
+    assert args.compile_eager_random and args.torch_compile_mode == "reduce-overhead"
+    torch._dynamo.reset()
+    dropout = torch.compile(
+        lambda x: torch.nn.functional.dropout(x * 2, 0.5, training=True), mode=args.torch_compile_mode
+    )
+    x = torch.ones(4096, 1024, device="cuda")
+    masks = []
+    with compiled_step_settings(args, None):
+        for _ in range(6):  # cudagraph trees record on an early call, then replay
+            torch.compiler.cudagraph_mark_step_begin()
+            masks.append(dropout(x) == 0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.compiler.cudagraph_mark_step_begin()
+            masks.append(dropout(x) == 0)
+    torch._dynamo.reset()
+    assert any(e.name == "cudaGraphLaunch" for e in prof.events()), "the last call was not a CUDA graph replay"
+    for i, mask in enumerate(masks):
+        assert abs(mask.float().mean().item() - 0.5) < 0.01
+        for other in masks[:i]:
+            assert not torch.equal(mask, other)
