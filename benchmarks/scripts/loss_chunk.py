@@ -13,9 +13,9 @@ the bench's shape in BF16:
 - `scatter`: the chunk's gradient as hf_apex wrote it until 2026-12-02, and still does in eager on a CPU: the softmax
   in place, then the target's column lowered by a scatter (an indexed in-place update).
 
-A variant may carry settings: `current@chunks=4,block=8192,warps=16` (the number of chunks, the row kernel's columns
-per load and warps). On an H200 (benchmarks/h200-2026-12-03-rows) the row kernel in 4 chunks took 7.55 ms against
-`torch`'s 8.19 in 8.
+A variant may carry settings: `current@chunks=4,block=8192,warps=16,programs=2` (the number of chunks, the row
+kernel's columns per load, its warps and its programs per multiprocessor, 0 for one per row). On an H200
+(benchmarks/h200-2026-12-03-rows) the row kernel in 4 chunks took 7.55 ms against `torch`'s 8.19 in 8.
 
 On an H200 (benchmarks/h200-2026-12-02-bert-trial) the pointwise chunk took 8.34 ms per forward + backward at this
 shape against the scatter's 9.71, with the same loss and gradients to the last bit; hf_apex then took it.
@@ -76,18 +76,18 @@ VARIANTS = {
 }
 
 
-def configure(name: str, logits: int, defaults: dict) -> tuple[str, dict]:
-    """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under."""
+def configure(name: str, logits: int, defaults: dict, kernel: bool) -> tuple[str, dict]:
+    """``current@chunks=4,block=8192,warps=16,programs=2``: the variant and the module settings it runs under.
+    ``kernel``: whether the row kernel runs here (a chunk then holds twice the logits of ``CHUNK_ELEMENTS``)."""
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
     off = base in ("torch", "scatter")
     settings = {"_row_kernel_runs": (lambda h: False) if off else defaults["_row_kernel_runs"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
-        settings["CHUNK_ELEMENTS"] = -(-logits // int(opts["chunks"]))
-    if "block" in opts:
-        settings["ROW_BLOCK"] = int(opts["block"])
-    if "warps" in opts:
-        settings["ROW_WARPS"] = int(opts["warps"])
+        settings["CHUNK_ELEMENTS"] = -(-logits // (int(opts["chunks"]) * (2 if kernel and not off else 1)))
+    for key, setting in (("block", "ROW_BLOCK"), ("warps", "ROW_WARPS"), ("programs", "ROW_PROGRAMS_PER_SM")):
+        if key in opts:
+            settings[setting] = int(opts[key])
     return base, settings
 
 
@@ -118,9 +118,11 @@ def main():
     targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
     amp = torch.bfloat16
     results, reference = {}, None
-    defaults = {k: getattr(L, k) for k in ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")}
+    names = ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS", "ROW_PROGRAMS_PER_SM")
+    defaults = {k: getattr(L, k) for k in names}
+    kernel = L._row_kernel_runs(hidden)
     for name in o.variants.split(";"):
-        base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE), defaults)
+        base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE), defaults, kernel)
         for k, v in {**defaults, **settings}.items():
             setattr(L, k, v)
         torch._dynamo.reset()
