@@ -121,16 +121,11 @@ def interpreted_row_kernel(monkeypatch):
     fused._rows_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("programs_per_sm", [0, 1])  # a program per row; 4 programs, each taking every 4th row
 @pytest.mark.parametrize("chunk_elements", [fused.CHUNK_ELEMENTS, 5 * 128])
-def test_the_row_kernel_gives_transformers_loss_and_gradients(
-    interpreted_row_kernel, chunk_elements, programs_per_sm, monkeypatch
-):
+def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_elements, monkeypatch):
     """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
-    the logits: the stock maths, with the padding columns and the ignored positions out of it, whether a program
-    takes one row or several."""
+    the logits: the stock maths, with the padding columns and the ignored positions out of it."""
     monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_elements)
-    monkeypatch.setattr(fused, "ROW_PROGRAMS_PER_SM", programs_per_sm)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
     got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 3.0)
     ref = loss_and_grads(reference, hidden, weight, labels, 3.0)

@@ -13,8 +13,8 @@ the bench's shape in BF16:
 - `scatter`: the chunk's gradient as hf_apex wrote it until 2026-12-02, and still does in eager on a CPU: the softmax
   in place, then the target's column lowered by a scatter (an indexed in-place update).
 
-A variant may carry settings: `current@chunks=4,block=8192,warps=16,programs=2` (the number of chunks, the row
-kernel's columns per load, its warps and its programs per multiprocessor, 0 for one per row). On an H200
+A variant may carry settings: `current@chunks=4,block=8192,warps=16` (the number of chunks, the row kernel's columns
+per load and warps). On an H200
 (benchmarks/h200-2026-12-03-rows) the row kernel in 4 chunks took 7.55 ms against `torch`'s 8.19 in 8.
 
 On an H200 (benchmarks/h200-2026-12-02-bert-trial) the pointwise chunk took 8.34 ms per forward + backward at this
@@ -77,7 +77,7 @@ VARIANTS = {
 
 
 def configure(name: str, logits: int, defaults: dict, kernel: bool) -> tuple[str, dict]:
-    """``current@chunks=4,block=8192,warps=16,programs=2``: the variant and the module settings it runs under.
+    """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under.
     ``kernel``: whether the row kernel runs here (a chunk then holds twice the logits of ``CHUNK_ELEMENTS``)."""
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
@@ -85,7 +85,7 @@ def configure(name: str, logits: int, defaults: dict, kernel: bool) -> tuple[str
     settings = {"_row_kernel_runs": (lambda h: False) if off else defaults["_row_kernel_runs"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
         settings["CHUNK_ELEMENTS"] = -(-logits // (int(opts["chunks"]) * (2 if kernel and not off else 1)))
-    for key, setting in (("block", "ROW_BLOCK"), ("warps", "ROW_WARPS"), ("programs", "ROW_PROGRAMS_PER_SM")):
+    for key, setting in (("block", "ROW_BLOCK"), ("warps", "ROW_WARPS")):
         if key in opts:
             settings[setting] = int(opts[key])
     return base, settings
@@ -118,7 +118,7 @@ def main():
     targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
     amp = torch.bfloat16
     results, reference = {}, None
-    names = ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS", "ROW_PROGRAMS_PER_SM")
+    names = ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")
     defaults = {k: getattr(L, k) for k in names}
     kernel = L._row_kernel_runs(hidden)
     for name in o.variants.split(";"):

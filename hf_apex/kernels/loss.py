@@ -38,60 +38,47 @@ SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-ROW_BLOCK, ROW_WARPS = 4096, 8  # the row kernel's columns per load and warps per program
-ROW_PROGRAMS_PER_SM = 0  # programs per multiprocessor, each taking every n-th row (0: one program per row)
+ROW_BLOCK, ROW_WARPS = 4096, 8  # the row kernel's columns per load and warps per row
 
 
 @functools.cache
 def _rows_kernel():
-    """The Triton kernel that takes rows of a chunk's logits in turn: for each, the FP32 log-sum-exp over the first
-    ``vocab`` columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
+    """The Triton kernel of one program per row of a chunk's logits: the FP32 log-sum-exp over the first ``vocab``
+    columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
     ``softmax - one_hot(target)`` (zero in the padding columns and in rows whose target is ``ignore_index``) written
     over the logits in their dtype (a second read and one write). torch's ops, even fused by Inductor, hold FP32
-    logits or read them a third time. Program ``p`` of ``P`` takes rows ``p, p + P, ...``: with fewer programs than
-    rows, fewer rows are read at once, and a row's second read may find it still in the GPU's L2 cache."""
+    logits or read them a third time."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def softmax_xent_rows(
-        logits, row_stride, rows, targets, losses, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
+        logits, row_stride, targets, losses, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
     ):
+        row = logits + tl.program_id(0).to(tl.int64) * row_stride
+        target = tl.load(targets + tl.program_id(0))
+        counted = target != ignore_index
+        target = tl.where(counted, target, 0)
         offsets = tl.arange(0, BLOCK)
-        for r in range(tl.program_id(0), rows, tl.num_programs(0)):
-            row = logits + tl.cast(r, tl.int64) * row_stride
-            target = tl.load(targets + r)
-            counted = target != ignore_index
-            target = tl.where(counted, target, 0)
-            top = float("-inf")
-            total = 0.0
-            for start in range(0, vocab, BLOCK):
-                x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
-                new_top = tl.maximum(top, tl.max(x, 0))
-                total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
-                top = new_top
-            lse = top + tl.log(total)
-            picked = tl.load(row + target).to(tl.float32)
-            tl.store(losses + r, tl.where(counted, lse - picked, 0.0))
-            if GRAD:
-                for start in range(0, cols, BLOCK):
-                    c = start + offsets
-                    x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
-                    g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
-                    g = tl.where(counted, g, 0.0).to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch
-                    tl.store(row + c, g, mask=c < cols)
+        top = float("-inf")
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
+            new_top = tl.maximum(top, tl.max(x, 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
+            top = new_top
+        lse = top + tl.log(total)
+        picked = tl.load(row + target).to(tl.float32)
+        tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+        if GRAD:
+            for start in range(0, cols, BLOCK):
+                c = start + offsets
+                x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
+                g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
+                g = tl.where(counted, g, 0.0).to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
+                tl.store(row + c, g, mask=c < cols)
 
     return softmax_xent_rows
-
-
-def _row_programs(logits: torch.Tensor) -> int:
-    """How many programs the row kernel runs on ``logits``: ``ROW_PROGRAMS_PER_SM`` per multiprocessor of their GPU
-    (4 where there is none: Triton's interpreter), at most one per row; one per row when that is 0."""
-    rows = logits.shape[0]
-    if not ROW_PROGRAMS_PER_SM:
-        return rows
-    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
-    return max(1, min(rows, ROW_PROGRAMS_PER_SM * sms))
 
 
 @functools.cache
@@ -106,10 +93,9 @@ def _rows_op():
     ) -> torch.Tensor:
         assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        wrap_triton(_rows_kernel())[(_row_programs(logits),)](
+        wrap_triton(_rows_kernel())[(logits.shape[0],)](
             logits,
             logits.stride(0),
-            logits.shape[0],
             targets,
             losses,
             vocab,

@@ -148,16 +148,17 @@ def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_pat
         lambda x: torch.nn.functional.dropout(x * 2, 0.5, training=True), mode=args.torch_compile_mode
     )
     x = torch.ones(4096, 1024, device="cuda")
-    masks = []
+    masks, outputs = [], []
     with compiled_step_settings(args, None):
-        for _ in range(6):  # cudagraph trees record on an early call, then replay
+        for _ in range(8):  # cudagraph trees record on an early call, then replay
             torch.compiler.cudagraph_mark_step_begin()
-            masks.append(dropout(x) == 0)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            torch.compiler.cudagraph_mark_step_begin()
-            masks.append(dropout(x) == 0)
+            outputs.append(dropout(x))  # (kept: eager outputs would each take new memory)
+            masks.append(outputs[-1] == 0)
+    # (no profiler here: a CPU-only profile in this process costs later kernel profiles their CUDA kernels on torch
+    # 2.11, see hf_apex.kernels.trace) A replay returns its output in the graph's own memory, the same every time.
+    assert len({out.data_ptr() for out in outputs[-3:]}) == 1, "the last calls were not replays of one CUDA graph"
+    del outputs
     torch._dynamo.reset()
-    assert any(e.name == "cudaGraphLaunch" for e in prof.events()), "the last call was not a CUDA graph replay"
     for i, mask in enumerate(masks):
         assert abs(mask.float().mean().item() - 0.5) < 0.01
         for other in masks[:i]:
