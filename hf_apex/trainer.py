@@ -167,16 +167,38 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
       partitioner recomputes in the backward the pointwise results that the backward's matmuls read
       (``torch._functorch.config``).
     - ``compile_eager_random``: random ops, dropout's masks among them, run torch's own kernels inside the compiled
-      graph, as eager mode draws them (``torch._inductor.config.fallback_random``)."""
+      graph, as eager mode draws them (``torch._inductor.config.fallback_random``).
+    - ``compile_fuse_projections``: linears that read one input run as one matmul
+      (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections`
+      has no objection."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
-    settings = {}
+    settings, inductor = {}, {}
     wanted = args.compile_recompute_pointwise
     if wanted == "true" or (wanted == "auto" and (model is None or not is_fused(model))):
         settings["torch._functorch.config"] = {"ban_recompute_materialized_backward": False}
     if args.compile_eager_random:
-        settings["torch._inductor.config"] = {"fallback_random": True}
+        inductor["fallback_random"] = True
+    if args.compile_fuse_projections and why_not_fuse_projections(args) is None:
+        from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
+
+        inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
+    if inductor:
+        settings["torch._inductor.config"] = inductor
     return settings
+
+
+def why_not_fuse_projections(args) -> str | None:
+    """Why ``compile_fuse_projections`` cannot act on this run's compiled graphs (None: it can): the pass is
+    Inductor's, and a pre-grad pass of yours keeps its place."""
+    backend = args.torch_compile_backend or "inductor"
+    if backend != "inductor":
+        return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
+    import torch._inductor.config
+
+    if torch._inductor.config.pre_grad_custom_pass is not None:
+        return "torch._inductor.config.pre_grad_custom_pass is set already (yours is kept)"
+    return None
 
 
 def compiled_step_settings(args, model: nn.Module | None) -> contextlib.ExitStack:
@@ -668,8 +690,18 @@ class ApexTrainer(Trainer):
                 "keeps the pointwise results its matmuls read (compile_recompute_pointwise=auto: the loss runs "
                 "without the logits)"
             )
-        if not self.compile_skipped and "torch._inductor.config" in compile_settings(self.args, self.model):
+        inductor = (
+            {} if self.compile_skipped else compile_settings(self.args, self.model).get("torch._inductor.config", {})
+        )
+        if "fallback_random" in inductor:
             kernels["random_ops"] = "torch's own kernels inside the compiled graph (compile_eager_random)"
+        if "pre_grad_custom_pass" in inductor:
+            kernels["projections"] = (
+                "Inductor's pre-grad pass runs the linears that read one input as one matmul, where it can "
+                "(compile_fuse_projections)"
+            )
+        elif self.args.torch_compile and self.args.compile_fuse_projections and not self.compile_skipped:
+            kernels["projections"] = f"not fused (compile_fuse_projections): {why_not_fuse_projections(self.args)}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

@@ -179,6 +179,12 @@ class ApexTrainingArguments(TrainingArguments):
             with dropout 0.1 in the models' configs, BERT-base 128 x 128's `fastest` step took 26.27 ms against 27.11
             and GPT-2 124M 16 x 1024's 35.57 against 36.05 (`benchmarks/h200-2026-12-03-random`). `None`: off; the
             `fastest` stage sets `True`, which `False` of yours overrides.
+        compile_fuse_projections (`bool` or `None`, *optional*, defaults to `None`):
+            With `torch_compile` (Inductor): the linears that read one input, such as BERT's query, key and value or a
+            Llama's q/k/v and gate/up projections, run as one matmul on their concatenated weights, split back after
+            it (`hf_apex.kernels.projections`, an Inductor pre-grad pass set for this trainer's training steps only).
+            The same dot products; the modules and the state dict are unchanged. Not measured on a GPU yet, so no
+            stage sets it. `None`: off.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -328,6 +334,14 @@ class ApexTrainingArguments(TrainingArguments):
             "The fastest stage sets True, which false of yours overrides."
         },
     )
+    compile_fuse_projections: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With torch_compile (Inductor): linears that read one input (BERT's query/key/value, a Llama's "
+            "q/k/v and gate/up) run as one matmul on their concatenated weights (same dot products, same modules). "
+            "None: off."
+        },
+    )
     fused_linear_cross_entropy: bool = field(
         default=False,
         metadata={
@@ -417,6 +431,11 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError(
                 "compile_eager_random=True changes what torch.compile generates, but torch_compile is off: turn "
                 "torch_compile on (or pick a stage that compiles: compiled, fastest, auto), or drop it."
+            )
+        if self.compile_fuse_projections and not self.torch_compile:
+            raise ValueError(
+                "compile_fuse_projections=True changes what torch.compile generates, but torch_compile is off: turn "
+                "torch_compile on (or pick a stage that compiles: compiled, fastest), or drop it."
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")

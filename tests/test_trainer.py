@@ -406,6 +406,37 @@ def test_compile_eager_random_draws_dropouts_masks_as_eager_mode_does(tmp_path):
     assert inductor_own != pytest.approx(eager, rel=1e-2)
 
 
+def test_compile_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_inductor(tmp_path):
+    """Under Inductor, compile_fuse_projections fuses each layer's q/k/v and gate/up projections (four groups in a
+    two-layer Llama) with the losses of the run without it; under a backend that is not Inductor the metrics say
+    why nothing was fused. torch's setting is its own again after the steps."""
+    import torch._inductor.config as inductor
+    from torch._dynamo.utils import counters
+
+    from hf_apex.kernels.projections import COUNTER
+
+    def run(name, **switches):
+        torch._dynamo.reset()
+        fused_before = counters["inductor"][COUNTER]
+        args = train_args(tmp_path / name, max_steps=3, torch_compile=True, **switches)
+        ApexTrainer(model=tiny_model("llama").train(), args=args, train_dataset=TokenDataset()).train()
+        assert inductor.pre_grad_custom_pass is None
+        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+        losses = [h["loss"] for h in metrics["loss_history"]]
+        return losses, metrics["kernels"].get("projections", ""), counters["inductor"][COUNTER] - fused_before
+
+    stock, says, fused = run("stock")
+    assert not says and fused == 0
+    losses, says, fused = run("fused", compile_fuse_projections=True)
+    assert fused == 2 * 2 and says.startswith("Inductor's pre-grad pass runs the linears")
+    assert losses == pytest.approx(stock, rel=1e-5)
+    _, says, fused = run("aot", compile_fuse_projections=True, torch_compile_backend="aot_eager")
+    assert fused == 0 and says == "not fused (compile_fuse_projections): its pass is Inductor's, and " + (
+        "torch_compile_backend='aot_eager'"
+    )
+    torch._dynamo.reset()
+
+
 def test_compile_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
     model = tiny_model("llama").train()
     switches = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=2)

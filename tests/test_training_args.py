@@ -146,6 +146,14 @@ def test_fastest_draws_random_numbers_with_torchs_kernels_and_only_a_compiled_ru
             make(stage=stage, compile_eager_random=True)
 
 
+def test_compile_fuse_projections_is_yours_to_set_on_a_compiled_run_only():
+    assert make(stage="fastest").compile_fuse_projections is None  # (not measured on a GPU yet: no stage sets it)
+    assert make(stage="fastest", compile_fuse_projections=True).compile_fuse_projections is True
+    for stage in ("torch_fused", None):
+        with pytest.raises(ValueError, match="compile_fuse_projections=True .* but torch_compile is off"):
+            make(stage=stage, compile_fuse_projections=True)
+
+
 def test_fused_full_with_fp16():
     args = make(stage="fused_full", amp_dtype="fp16")
     assert args.fp16 and not args.bf16
