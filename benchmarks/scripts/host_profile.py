@@ -102,6 +102,26 @@ class Profile(TrainerCallback):
                 sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
             )
         )
+        self.report_aten_kernels(n)
+
+    def report_aten_kernels(self, n: int):
+        """torch's own (ATen) kernels launched outside the compiled graphs and CUDA graphs, by the op that launched
+        them and that op's callers: what the step runs eagerly besides the graphs."""
+        launched, device_us = Counter(), Counter()
+        for event in self.torch_prof.events():
+            for kernel in getattr(event, "kernels", []):
+                if "at::native" not in kernel.name:
+                    continue
+                callers, parent = [event.name], event.cpu_parent
+                while parent is not None and len(callers) < 4:
+                    callers.append(parent.name)
+                    parent = parent.cpu_parent
+                key = (kernel.name.split("<")[0].replace("void at::native::", "")[:40], " < ".join(callers)[:150])
+                launched[key] += 1
+                device_us[key] += kernel.duration
+        print(f"\n== ATen kernels launched outside the graphs, per optimizer step (mean of {n}), by caller ==")
+        for (kernel, callers), count in launched.most_common(15):
+            print(f"  {count / n:6.1f} x {kernel:40s} {device_us[kernel, callers] / (1e3 * n):7.3f} ms  {callers}")
 
     def report_cprofile(self, n: int):
         stats = pstats.Stats(self.cprof)
