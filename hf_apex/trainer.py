@@ -201,13 +201,14 @@ def why_not_fuse_projections(args) -> str | None:
     return None
 
 
-def compiled_step_settings(args, model: nn.Module | None) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def compiled_step_settings(args, model: nn.Module | None):
     """:func:`compile_settings` set around one training step (torch.compile compiles inside the first), then torch's
     own again: another trainer's steps, and compiled code of yours, keep theirs."""
-    stack = contextlib.ExitStack()
-    for module, settings in compile_settings(args, model).items():
-        stack.enter_context(importlib.import_module(module).patch(**settings))
-    return stack
+    with contextlib.ExitStack() as stack:
+        for module, settings in compile_settings(args, model).items():
+            stack.enter_context(importlib.import_module(module).patch(**settings))
+        yield
 
 
 # The compile settings of the graphs the last compiled ApexTrainer run left in Dynamo's cache. Dynamo's cache is the
@@ -228,8 +229,8 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
         if _graphs_compiled_under is not None:
             logger.info(
                 "hf_apex: this run compiles under other settings than the graphs an earlier run compiled in this "
-                "process (compile_recompute_pointwise, compile_eager_random): torch's compiled graphs are dropped, "
-                "to compile this run's own."
+                "process (compile_recompute_pointwise, compile_eager_random, compile_fuse_projections): torch's "
+                "compiled graphs are dropped, to compile this run's own."
             )
         torch._dynamo.reset()
     _graphs_compiled_under = settings
