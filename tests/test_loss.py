@@ -114,7 +114,7 @@ def interpreted_row_kernel(monkeypatch):
     )
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is off (a GPU machine): tests/gpu/test_loss_gpu.py runs the kernel")
-    monkeypatch.setattr(fused, "_row_kernel_runs", lambda hidden: True)
+    monkeypatch.setattr(fused, "_row_op", lambda hidden: fused._rows_op())
     monkeypatch.setattr(fused, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
     fused._rows_kernel.cache_clear()
     yield
@@ -148,6 +148,45 @@ def test_the_row_kernel_without_gradients_leaves_the_logits_as_they_were(interpr
     assert torch.equal(logits, kept)
     ref = torch.nn.functional.cross_entropy(logits[:, :100].float(), targets, reduction="none")
     torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5)  # 0 where the target is ignored
+
+
+@torch.library.custom_op("hf_apex_test::softmax_xent_rows_", mutates_args={"logits"})
+def rows_in_torch(
+    logits: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, grad: bool
+) -> torch.Tensor:
+    """The row kernel's contract in torch's ops, an op as opaque to the compiler as the kernel's: the rows' losses,
+    and with ``grad`` their gradient written over the logits."""
+    x = logits.float().masked_fill(torch.arange(logits.shape[1]) >= vocab, float("-inf"))
+    lse = x.logsumexp(-1)
+    counted = targets != ignore_index
+    target = targets.where(counted, 0)
+    if grad:
+        g = (x - lse[:, None]).exp()
+        g[torch.arange(len(target)), target] -= 1
+        logits.copy_(g * counted[:, None])
+    return torch.where(counted, lse - x.gather(1, target[:, None]).squeeze(1), 0.0)
+
+
+@rows_in_torch.register_fake
+def _(logits, targets, vocab, ignore_index, grad):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch):
+    """Where the row kernel runs, the loss asks only whether its op is registered (`_row_op`), so Dynamo traces the
+    chunks, the op and the backward in one graph: no piece of the loss runs eagerly between compiled ones. The op
+    here is the kernel's contract in torch's ops (Triton's interpreter cannot run under the compiler's fake
+    tensors); tests/gpu/test_loss_gpu.py checks the same with the kernel on a GPU."""
+    monkeypatch.setattr(fused, "_row_op", lambda hidden: rows_in_torch)
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 5 * 128)  # several chunks
+    hidden, weight, labels = inputs(vocab=100)
+    explained = torch._dynamo.explain(fused.causal_lm_loss)(hidden, weight, labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    got = loss_and_grads(torch.compile(fused.causal_lm_loss, backend="aot_eager"), hidden, weight, labels)
+    torch._dynamo.reset()
+    for a, b in zip(got, loss_and_grads(reference, hidden, weight, labels)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_without_gradients_only_the_loss_and_a_frozen_head_gets_none():

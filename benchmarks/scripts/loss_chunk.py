@@ -82,7 +82,7 @@ def configure(name: str, logits: int, defaults: dict, kernel: bool) -> tuple[str
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
     off = base in ("torch", "scatter")
-    settings = {"_row_kernel_runs": (lambda h: False) if off else defaults["_row_kernel_runs"]}
+    settings = {"_row_op": (lambda h: None) if off else defaults["_row_op"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
         settings["CHUNK_ELEMENTS"] = -(-logits // (int(opts["chunks"]) * (2 if kernel and not off else 1)))
     for key, setting in (("block", "ROW_BLOCK"), ("warps", "ROW_WARPS")):
@@ -118,9 +118,9 @@ def main():
     targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
     amp = torch.bfloat16
     results, reference = {}, None
-    names = ("_row_kernel_runs", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")
+    names = ("_row_op", "CHUNK_ELEMENTS", "ROW_BLOCK", "ROW_WARPS")
     defaults = {k: getattr(L, k) for k in names}
-    kernel = L._row_kernel_runs(hidden)
+    kernel = L._row_op(hidden) is not None
     for name in o.variants.split(";"):
         base, settings = configure(name, o.positions * (o.vocab + -o.vocab % L.PAD_MULTIPLE), defaults, kernel)
         for k, v in {**defaults, **settings}.items():

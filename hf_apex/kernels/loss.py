@@ -110,8 +110,27 @@ def _rows_op():
     return softmax_xent_rows_
 
 
-def _row_kernel_runs(hidden: torch.Tensor) -> bool:
-    return hidden.is_cuda and has_triton_ops()
+_ROWS = None  # the row kernel's op, once registered (_register_row_kernel)
+
+
+def _register_row_kernel() -> bool:
+    """Register the row kernel's op where Triton can run it; whether it is registered. Not in compiled code: the
+    fused model's setup does it (:func:`fuse_linear_cross_entropy`), and so does an eager call of the loss."""
+    global _ROWS
+    if _ROWS is None and has_triton_ops():
+        _ROWS = _rows_op()
+    return _ROWS is not None
+
+
+def _row_op(hidden: torch.Tensor):
+    """The row kernel's op for chunks of ``hidden``, or None where torch's ops take them (a CPU, no Triton). Under
+    torch.compile it only reads whether the op is registered, so that Dynamo traces the loss, its backward
+    included, in one piece."""
+    if not hidden.is_cuda:
+        return None
+    if not torch.compiler.is_compiling():
+        _register_row_kernel()
+    return _ROWS
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -129,7 +148,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         h = hidden.to(dtype)
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
-        rows = _rows_op() if _row_kernel_runs(h) else None
+        rows = _row_op(h)
         # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph.
         # The row kernel holds a chunk's logits in the matmul's dtype only, half of FP32's bytes: twice the logits.
         # (On an H200, GPT-2's loss in 4 chunks took 7.55 ms against 8.13 in 8; benchmarks/h200-2026-12-03-rows.)
@@ -327,6 +346,7 @@ def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
     reason = unsupported(model)
     if reason is None:
         model.__class__ = fused_loss_class(type(model))
+        _register_row_kernel()  # (here, before torch.compile traces the loss)
     return reason
 
 

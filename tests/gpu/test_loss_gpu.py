@@ -72,6 +72,7 @@ def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(comp
     compiled graph, with the results of the same chunk in torch's ops (BF16 autocast, GPT-2's vocabulary)."""
     if not has_triton_ops():
         pytest.skip("Triton cannot run here: the chunks run in torch's ops")
+    assert fused._register_row_kernel()  # (as a fused model's setup does, before anything is compiled)
     g = torch.Generator("cuda").manual_seed(0)
     hidden = torch.randn(4096, 768, device="cuda", generator=g, requires_grad=True)
     weight = (0.02 * torch.randn(50257, 768, device="cuda", generator=g)).requires_grad_()
@@ -83,7 +84,8 @@ def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(comp
             return causal_lm_loss(h.view(4, 1024, 768), w, labels)
 
     def run(kernel: bool):
-        monkeypatch.setattr(fused, "_row_kernel_runs", lambda h: kernel)
+        if not kernel:
+            monkeypatch.setattr(fused, "_row_op", lambda h: None)
         torch._dynamo.reset()
         fn = torch.compile(loss_fn) if compiled else loss_fn
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -94,6 +96,8 @@ def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(comp
         return loss, grads, ran
 
     loss, (gh, gw), ran = run(kernel=True)
+    if compiled:  # Dynamo traces the loss, the kernel's op and the backward in one piece
+        assert torch._dynamo.explain(loss_fn)(hidden, weight).graph_break_count == 0
     ref, (rh, rw), ref_ran = run(kernel=False)
     assert ran and not ref_ran
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)  # FP32 sums in another order
