@@ -5,7 +5,8 @@
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
-# test) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
+# test) | pytest:<test>[,<test>...] (those GPU tests alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with
+# HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
 # (benchmarks/scripts/attention_in_step.py) | cupti
 # (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
@@ -62,6 +63,12 @@ for step in "$@"; do
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) python3 -m pytest -p no:cacheprovider \
         -rfEs tests/gpu/test_fast_stage_gpu.py > $OUT/test-fast.log 2>&1
       echo "fast rc $?"; tail -5 $OUT/test-fast.log;;
+    pytest:*)
+      tests=${step#pytest:}
+      log=$OUT/pytest-$(echo -n "$tests" | tr -c 'A-Za-z0-9_.-' _ | cut -c1-80).log
+      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) python3 -m pytest -p no:cacheprovider \
+        -rfEs ${tests//,/ } > $log 2>&1
+      echo "pytest rc $?"; tail -3 $log;;
     sdpa)
       timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json --kernels > $OUT/sdpa.log 2>&1
       echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
