@@ -678,11 +678,13 @@ class ApexTrainer(Trainer):
     def _metrics_sections(self) -> dict:
         """What the trainer adds to the metrics JSON at the end of a run."""
         kernels = {}
+        settings = compile_settings(self.args, self.model)  # (empty in a run that skipped compiling: args of eager)
+        inductor = settings.get("torch._inductor.config", {})
         if self.args.apex_fused_norms and self.args.torch_compile:
             kernels["norms_under_torch_compile"] = self._norms_in_graphs()
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
-        elif "torch._functorch.config" in compile_settings(self.args, self.model):
+        elif "torch._functorch.config" in settings:
             kernels["compiled_backward"] = (
                 "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
             )
@@ -691,9 +693,6 @@ class ApexTrainer(Trainer):
                 "keeps the pointwise results its matmuls read (compile_recompute_pointwise=auto: the loss runs "
                 "without the logits)"
             )
-        inductor = (
-            {} if self.compile_skipped else compile_settings(self.args, self.model).get("torch._inductor.config", {})
-        )
         if "fallback_random" in inductor:
             kernels["random_ops"] = "torch's own kernels inside the compiled graph (compile_eager_random)"
         if "pre_grad_custom_pass" in inductor:
@@ -701,7 +700,7 @@ class ApexTrainer(Trainer):
                 "Inductor's pre-grad pass runs the linears that read one input as one matmul, where it can "
                 "(compile_fuse_projections)"
             )
-        elif self.args.torch_compile and self.args.compile_fuse_projections and not self.compile_skipped:
+        elif self.args.torch_compile and self.args.compile_fuse_projections:
             kernels["projections"] = f"not fused (compile_fuse_projections): {why_not_fuse_projections(self.args)}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"

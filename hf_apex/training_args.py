@@ -422,21 +422,12 @@ class ApexTrainingArguments(TrainingArguments):
                 "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
                 "compiled, fastest, auto), or drop it."
             )
-        if self.compile_rotary_once and not self.torch_compile:
-            raise ValueError(
-                "compile_rotary_once=True changes what torch.compile generates, but torch_compile is off: turn "
-                "torch_compile on (or pick a stage that compiles: compiled, fastest, auto), or drop it."
-            )
-        if self.compile_eager_random and not self.torch_compile:
-            raise ValueError(
-                "compile_eager_random=True changes what torch.compile generates, but torch_compile is off: turn "
-                "torch_compile on (or pick a stage that compiles: compiled, fastest, auto), or drop it."
-            )
-        if self.compile_fuse_projections and not self.torch_compile:
-            raise ValueError(
-                "compile_fuse_projections=True changes what torch.compile generates, but torch_compile is off: turn "
-                "torch_compile on (or pick a stage that compiles: compiled, fastest), or drop it."
-            )
+        for name in ("compile_rotary_once", "compile_eager_random", "compile_fuse_projections"):
+            if getattr(self, name) and not self.torch_compile:
+                raise ValueError(
+                    f"{name}=True changes what torch.compile generates, but torch_compile is off: turn torch_compile "
+                    "on (or pick a stage that compiles: compiled, fastest, auto), or drop it."
+                )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
         if self.metrics_warmup_steps < 0:

@@ -126,24 +126,16 @@ def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to
         make(stage="fastest", compile_recompute_pointwise="yes")
 
 
-def test_fastest_computes_rotary_cos_and_sin_once_and_only_a_compiled_run_may():
-    assert make(stage="fastest").compile_rotary_once is True
-    assert make(stage="fastest", compile_rotary_once=False).compile_rotary_once is False  # yours wins
-    assert not make(stage="compiled").compile_rotary_once
-    assert make(stage="compiled", compile_rotary_once=True).compile_rotary_once is True
+# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels
+@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random"])
+def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
+    assert getattr(make(stage="fastest"), switch) is True
+    assert getattr(make(stage="fastest", **{switch: False}), switch) is False  # yours wins
+    assert not getattr(make(stage="compiled"), switch)
+    assert getattr(make(stage="compiled", **{switch: True}), switch) is True
     for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
-        with pytest.raises(ValueError, match="compile_rotary_once=True .* but torch_compile is off"):
-            make(stage=stage, compile_rotary_once=True)
-
-
-def test_fastest_draws_random_numbers_with_torchs_kernels_and_only_a_compiled_run_may():
-    assert make(stage="fastest").compile_eager_random is True
-    assert make(stage="fastest", compile_eager_random=False).compile_eager_random is False  # yours wins
-    assert not make(stage="compiled").compile_eager_random
-    assert make(stage="compiled", compile_eager_random=True).compile_eager_random is True
-    for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
-        with pytest.raises(ValueError, match="compile_eager_random=True .* but torch_compile is off"):
-            make(stage=stage, compile_eager_random=True)
+        with pytest.raises(ValueError, match=f"{switch}=True .* but torch_compile is off"):
+            make(stage=stage, **{switch: True})
 
 
 def test_compile_fuse_projections_is_yours_to_set_on_a_compiled_run_only():
