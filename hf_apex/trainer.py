@@ -60,7 +60,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.training_args import ParallelMode
 
 from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
-from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
+from .kernels.attention import SHORT, SHORT_KERNEL, STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, is_fused, unfuse_linear_cross_entropy
@@ -418,11 +418,12 @@ class ApexTrainer(Trainer):
             if self.model_init is None and self.model is not None:
                 # Again: another trainer built on the same model may have rewired it its own way since __init__.
                 self._apply_model_switches(self.model)
-                self.static_masks = use_static_masks(self.model, self.args.drop_full_attention_mask)
             self._norms_to_tune = self._tunes_norms_in_step()
             self._attention_to_tune = self.args.attention_backend == "fastest"
             self._outputs_to_set = True
             self.sdpa_backend = None if self._attention_to_tune else self.args.attention_backend
+            if self.model_init is None and self.model is not None:
+                self._use_attention(self.model)
             compile_under_own_settings(self.args, self.model)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
@@ -474,6 +475,8 @@ class ApexTrainer(Trainer):
         if self._attention_to_tune:
             self._attention_to_tune = False
             self.sdpa_backend = self._choose_attention(self._prepare_inputs(inputs))
+            if self.sdpa_backend == SHORT:  # (before the first compiled step traces the attention)
+                self._use_attention(self.model)
         try:
             with preferring(self.sdpa_backend):  # (under torch.compile: the backend the graph is traced with)
                 return super().training_step(model, inputs, *args, **kwargs)
@@ -523,7 +526,13 @@ class ApexTrainer(Trainer):
             with self.accelerator.autocast():
                 self.compute_loss(raw, dict(inputs))
 
-        return self.autotuner.choose_attention(capture_attention(forward))
+        return self.autotuner.choose_attention(capture_attention(forward), short=self.static_masks)
+
+    def _use_attention(self, model: nn.Module) -> None:
+        """Run ``model``'s attention with masks decided on the host where asked, and through hf_apex's short-sequence
+        kernel where this run's backend is that kernel."""
+        kernel = self.sdpa_backend == SHORT
+        self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask, kernel=kernel)
 
     def evaluate(self, *args, **kwargs):
         if self.autotuner is not None:
@@ -560,7 +569,7 @@ class ApexTrainer(Trainer):
         model = super().call_model_init(trial)
         if isinstance(self.args, ApexTrainingArguments):
             self._apply_model_switches(model)
-            self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask)
+            self._use_attention(model)
         return model
 
     def _apply_model_switches(self, model: nn.Module) -> None:
@@ -711,6 +720,13 @@ class ApexTrainer(Trainer):
             )
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
+            if self.sdpa_backend == SHORT:
+                runs = getattr(getattr(self.model, "config", None), "_attn_implementation", None) == SHORT_KERNEL
+                kernels["attention_backend"] = (
+                    "short: hf_apex's Triton kernel for sequences of up to 128 tokens, SDPA for calls it does not fit"
+                    if runs
+                    else "torch (PyTorch's own choice): hf_apex's short-sequence kernel cannot run here"
+                )
         if self.rotary_once is not None and self.args.torch_compile:
             kernels["rotary_embedding"] = (
                 f"cos/sin computed once per compiled forward ({self.rotary_once} module(s), compile_rotary_once)"

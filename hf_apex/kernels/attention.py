@@ -12,6 +12,10 @@ backend computes the same attention; with dropout, each draws its own masks.
 
 Which mask SDPA gets is the other half: :func:`use_static_masks` runs a model as :data:`STATIC_MASKS`, transformers'
 ``sdpa`` attention with its masks decided without reading a tensor (below).
+
+One more candidate is hf_apex's own: ``"short"`` (:mod:`hf_apex.kernels.short_attention`), a Triton kernel that holds
+a whole head of at most 128 tokens in one program. A model runs it as :data:`SHORT_KERNEL`, the static masks with
+that kernel for the calls it fits and SDPA for the others.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers import masking_utils
 
+from . import short_attention
 from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
 
 BACKENDS = {
@@ -40,7 +45,8 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-CHOICES = (*BACKENDS, "fastest")  # the values of ``attention_backend`` besides None (PyTorch's own choice)
+SHORT = short_attention.NAME  # hf_apex's kernel for short sequences: not an SDPA backend
+CHOICES = (*BACKENDS, SHORT, "fastest")  # the values of ``attention_backend`` besides None (PyTorch's own choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +151,7 @@ def preferring(backend: str | None):
     """SDPA's backends with ``backend`` first, then the others in PyTorch's own order; nothing changes for None or
     TORCH. Code compiled meanwhile is traced with that backend; AOTAutograd's on-disk cache, whose key leaves SDPA's
     priority out, is neither read nor written meanwhile (it would serve a graph traced under another priority)."""
-    if backend in (None, TORCH):
+    if backend in (None, TORCH, SHORT):  # (SHORT: the model's attention function calls the kernel, SDPA the rest)
         yield
         return
     if backend == "math":  # it runs every input, so it needs no fallback (and the CPU's choice ignores priority)
@@ -203,6 +209,7 @@ def runnable(device: torch.device | str) -> dict[str, str]:
 # on the CPU) and no cache offset means no mask; a padding mask means the mask is built, without asking whether it is
 # all ones. The attention computed is the same either way.
 STATIC_MASKS = "hf_apex_sdpa"
+SHORT_KERNEL = "hf_apex_short"  # the same masks; attention by hf_apex's short-sequence kernel where a call fits
 _SDPA_LITERAL = re.compile(r"""_attn_implementation\s*[!=]=\s*["']sdpa["']""")
 
 
@@ -262,14 +269,16 @@ def _register_static_masks() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(STATIC_MASKS, sdpa_attention_forward)
-    masking_utils.AttentionMaskInterface.register(STATIC_MASKS, _sdpa_mask)
+    AttentionInterface.register(SHORT_KERNEL, short_attention.attention_forward)
+    for name in (STATIC_MASKS, SHORT_KERNEL):
+        masking_utils.AttentionMaskInterface.register(name, _sdpa_mask)
 
 
 def static_masks_blocker(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run :data:`STATIC_MASKS`, or None when it can (or already does)."""
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation == STATIC_MASKS:
+    if implementation in (STATIC_MASKS, SHORT_KERNEL):
         return None
     if implementation != "sdpa":
         return f"its attention is {implementation!r}, not transformers' 'sdpa'"
@@ -292,18 +301,20 @@ def _tests_for_sdpa(module_name: str) -> bool:
         return False
 
 
-def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
-    """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``) or with transformers' own masks again;
-    returns whether it now runs with them. A model it does not fit (another attention implementation, one that
-    tests for the name "sdpa") is left as it is."""
+def use_static_masks(model: torch.nn.Module, on: bool = True, kernel: bool = False) -> bool:
+    """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``), or with :data:`SHORT_KERNEL` (``on`` and
+    ``kernel``, where hf_apex's short-sequence kernel can run), or with transformers' own masks again; returns whether
+    it now runs with static masks. A model it does not fit (another attention implementation, one that tests for the
+    name "sdpa") is left as it is."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not on:
-        if implementation == STATIC_MASKS:
+        if implementation in (STATIC_MASKS, SHORT_KERNEL):
             model.set_attn_implementation("sdpa")
         return False
     if static_masks_blocker(model) is not None:
         return False
-    if implementation != STATIC_MASKS:
+    wanted = SHORT_KERNEL if kernel and short_attention.register() else STATIC_MASKS
+    if implementation != wanted:
         _register_static_masks()
-        model.set_attn_implementation(STATIC_MASKS)
-    return model.config._attn_implementation == STATIC_MASKS
+        model.set_attn_implementation(wanted)
+    return model.config._attn_implementation == wanted

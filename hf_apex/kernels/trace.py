@@ -87,11 +87,13 @@ APEX_KERNELS: dict[str, re.Pattern] = {
 
 # Kernel-name patterns of the SDPA backends (hf_apex.kernels.attention): PyTorch's FlashAttention-2 port, its
 # memory-efficient (cutlass) kernels, cuDNN's generated SDPA kernels (whose names say "flash_fprop", not
-# "flash_fwd"). The math backend runs plain matmuls and a softmax: nothing names it.
+# "flash_fwd"), and hf_apex's own short-sequence kernels (hf_apex.kernels.short_attention). The math backend runs
+# plain matmuls and a softmax: nothing names it.
 SDPA_KERNELS: dict[str, re.Pattern] = {
     "flash": re.compile(r"pytorch_flash::|\bflash_(fwd|bwd)_"),
     "efficient": re.compile(r"fmha_cutlass|PyTorchMemEffAttention"),
     "cudnn": re.compile(r"cudnn\w*sdpa"),
+    "short": re.compile(r"\bshort_attention_(forward|backward)\b"),
 }
 
 
