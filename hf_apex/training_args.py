@@ -194,11 +194,14 @@ class ApexTrainingArguments(TrainingArguments):
             its loss: the metrics JSON's `lm_loss` says which (with a warning when you asked for it yourself).
         attention_backend (`str` or `None`, *optional*, defaults to `None`):
             The SDPA backend of the model's attention (transformers' `sdpa` implementation): `"flash"`, `"cudnn"`,
-            `"efficient"` or `"math"` first in SDPA's priority (inputs it cannot take fall back to the others), or
-            `"fastest"`: on the first training batch, the model's first SDPA call is recorded and every backend
-            that can run it is timed (forward and backward at its shapes, memory layout, mask, dropout and scale)
-            against PyTorch's own choice, in turns; the fastest whose results match the math backend's wins, the
-            decision is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics
+            `"efficient"` or `"math"` first in SDPA's priority (inputs it cannot take fall back to the others),
+            `"short"`: hf_apex's Triton kernel for sequences of up to 128 tokens (`hf_apex.kernels.short_attention`;
+            the model runs as `hf_apex_short` during training, SDPA taking the calls the kernel does not fit; it needs
+            a CUDA GPU with Triton and `drop_full_attention_mask`), or `"fastest"`: on the first training batch,
+            the model's first SDPA call is recorded and every backend that can run it, `"short"` included, is timed
+            (forward and backward at its shapes, memory layout, mask, dropout and scale) against PyTorch's own
+            choice, in turns; the fastest whose results match the math backend's wins,
+            the decision is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics
             JSON. Not timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The `fastest` stage sets
             `"fastest"`, which a value of yours overrides.
 
@@ -352,8 +355,9 @@ class ApexTrainingArguments(TrainingArguments):
     attention_backend: str | None = field(
         default=None,
         metadata={
-            "help": "SDPA backend for the model's attention: one named first in SDPA's priority, or fastest (timed "
-            "on the first batch's attention, cached). None: PyTorch's choice. The fastest stage sets fastest.",
+            "help": "SDPA backend for the model's attention: one named first in SDPA's priority, short (hf_apex's "
+            "Triton kernel for up to 128 tokens), or fastest (timed on the first batch's attention, cached). None: "
+            "PyTorch's choice. The fastest stage sets fastest.",
             "choices": list(ATTENTION_CHOICES),
         },
     )

@@ -6,7 +6,8 @@ BERT-base's attention call as the bench's `fastest` step makes it: 128 sequences
 query, key and value as views of (batch, tokens, 768) projections, a (batch, 1, 128, 128) boolean padding mask
 (a quarter of each row's keys masked out), dropout 0.1, the output's gradient in (batch, tokens, heads, dim) order.
 Prints ms per forward + backward (the median of up to 50 calls, CUDA events) for PyTorch's choice, cuDNN, the
-memory-efficient backend and the kernel under each setting (forward rows:warps / backward rows:warps), and checks
+memory-efficient backend and the kernel under each setting (forward rows:warps / backward rows:warps), cuDNN and the
+kernel once more without dropout, and checks
 each without dropout against the math backend in FP32 (relative error of the output and the three gradients).
 """
 
@@ -56,9 +57,9 @@ def main():
     refs = [ref, *torch.autograd.grad(ref, ref_in, grad.float())]
     rows = []
 
-    def measure(name, fn):
+    def measure(name, fn, p=P):
         def step():
-            out = fn(q, k, v, mask, P)
+            out = fn(q, k, v, mask, p)
             torch.autograd.grad(out, (q, k, v), grad)
 
         try:
@@ -76,6 +77,8 @@ def main():
     measure("torch (PyTorch's choice)", lambda *a: sdpa(None, *a))
     measure("cudnn", lambda *a: sdpa(SDPBackend.CUDNN_ATTENTION, *a))
     measure("efficient", lambda *a: sdpa(SDPBackend.EFFICIENT_ATTENTION, *a))
+    measure("cudnn, no dropout", lambda *a: sdpa(SDPBackend.CUDNN_ATTENTION, *a), p=0.0)
+    measure("short, no dropout", short, p=0.0)
     for setting in settings:
         fwd, bwd = setting.split("/")
         sa.FORWARD_ROWS, sa.FORWARD_WARPS = map(int, fwd.split(":"))

@@ -44,6 +44,11 @@ def _kernels():
     return k.short_attention_forward, k.short_attention_backward
 
 
+def _drop_below(p: float) -> int:
+    """Dropout's threshold on a draw's top 24 bits: a key is dropped with probability p."""
+    return round(p * 2**24)
+
+
 def _blocks(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())  # keys per program, a power of two (tl.dot takes 16 and up)
 
@@ -68,7 +73,7 @@ def _forward_impl(query, key, value, mask, seed, scale, dropout_p, causal):
     forward, _ = _kernels()
     grid = (triton_cdiv(n, block_m), b * h)
     _launch(forward)[grid](
-        query, key, value, m, out, seed if seed is not None else query, scale, dropout_p, h, n,
+        query, key, value, m, out, seed if seed is not None else query, scale, dropout_p, _drop_below(dropout_p), h, n,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mstrides,
         out.stride(0), out.stride(2), out.stride(1),
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, CAUSAL=causal, DROPOUT=seed is not None,
@@ -79,12 +84,15 @@ def _forward_impl(query, key, value, mask, seed, scale, dropout_p, causal):
 
 def _backward_impl(grad_out, query, key, value, mask, seed, scale, dropout_p, causal):
     b, h, n, d = query.shape
+    if grad_out.stride(-1) != 1:  # (the kernel reads each row of the head dim in one piece)
+        grad_out = grad_out.contiguous()
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     m, mstrides, has_mask, mask_bool = _mask_args(mask, query)
     block_n = _blocks(n)
     _, backward = _kernels()
     _launch(backward)[(1, b * h)](
-        query, key, value, m, grad_out, dq, dk, dv, seed if seed is not None else query, scale, dropout_p, h, n,
+        query, key, value, m, grad_out, dq, dk, dv, seed if seed is not None else query, scale, dropout_p,
+        _drop_below(dropout_p), h, n,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mstrides,
         grad_out.stride(0), grad_out.stride(2), grad_out.stride(1),
         *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],

@@ -6,9 +6,9 @@ import triton.language as tl
 
 @triton.jit
 def scores(
-    q, k, mask_ptr, rows, cols, n, seed, scale, p_drop,
+    q, k, mask_ptr, rows, cols, n, seed, scale, drop_below,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The probabilities of rows ``rows`` against keys ``cols`` (FP32) and, with dropout, which are kept."""
     if IEEE:
@@ -32,14 +32,18 @@ def scores(
     p = p / tl.where(total == 0.0, 1.0, total)[:, None]
     keep = valid
     if DROPOUT:
-        # one Philox draw per (program's head, row, key): the backward regenerates the same
-        keep = tl.rand(seed, (tl.program_id(1) * n + rows[:, None]) * n + cols[None, :]) >= p_drop
+        # Philox gives four 32-bit draws per counter: one counter per (head, row, four keys), the backward's the same.
+        # A key is kept where its draw's top 24 bits reach drop_below = p * 2**24.
+        quarter = tl.arange(0, BLOCK_N // 4)
+        r0, r1, r2, r3 = tl.randint4x(seed, (tl.program_id(1) * n + rows[:, None]) * (BLOCK_N // 4) + quarter[None, :])
+        draws = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_M, BLOCK_N))
+        keep = (draws.to(tl.uint32, bitcast=True) >> 8).to(tl.int32) >= drop_below
     return p, keep
 
 
 @triton.jit
 def short_attention_forward(
-    Q, K, V, MASK, OUT, SEED, scale, p_drop, heads, n,
+    Q, K, V, MASK, OUT, SEED, scale, p_drop, drop_below, heads, n,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, smb, smh, sms, sob, soh, sos,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -55,7 +59,24 @@ def short_attention_forward(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    p, keep = scores(q, k, mask_ptr, rows, cols, n, seed, scale, p_drop, HAS_MASK, MASK_BOOL, CAUSAL, DROPOUT, IEEE)
+    p, keep = scores(
+        q,
+        k,
+        mask_ptr,
+        rows,
+        cols,
+        n,
+        seed,
+        scale,
+        drop_below,
+        HAS_MASK,
+        MASK_BOOL,
+        CAUSAL,
+        DROPOUT,
+        IEEE,
+        BLOCK_M,
+        BLOCK_N,
+    )
     if DROPOUT:
         p = tl.where(keep, p / (1.0 - p_drop), 0.0)
     if IEEE:
@@ -68,7 +89,7 @@ def short_attention_forward(
 
 @triton.jit
 def short_attention_backward(
-    Q, K, V, MASK, DO, DQ, DK, DV, SEED, scale, p_drop, heads, n,
+    Q, K, V, MASK, DO, DQ, DK, DV, SEED, scale, p_drop, drop_below, heads, n,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, smb, smh, sms, sdob, sdoh, sdos,
     sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
@@ -91,7 +112,22 @@ def short_attention_backward(
         do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + dims[None, :], mask=inside, other=0.0)
         mask_ptr = MASK + b * smb + h * smh + rows[:, None] * sms + cols[None, :]
         p, keep = scores(
-            q, k, mask_ptr, rows, cols, n, seed, scale, p_drop, HAS_MASK, MASK_BOOL, CAUSAL, DROPOUT, IEEE
+            q,
+            k,
+            mask_ptr,
+            rows,
+            cols,
+            n,
+            seed,
+            scale,
+            drop_below,
+            HAS_MASK,
+            MASK_BOOL,
+            CAUSAL,
+            DROPOUT,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
         )
         if IEEE:
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
