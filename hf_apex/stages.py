@@ -52,6 +52,9 @@ class StageConfig:
             as above.
         compile_eager_random: with `torch_compile`, random ops (dropout's masks) run torch's own kernels inside the
             compiled graph, as eager draws them, instead of Inductor's per-element Philox. A default, as above.
+        compile_fuse_projections: with `torch_compile` (Inductor), linears that read one input (BERT's query, key
+            and value; a Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
+            (`hf_apex.kernels.projections`); the same dot products. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -72,6 +75,7 @@ class StageConfig:
     compile_recompute_pointwise: str | None = None
     compile_rotary_once: bool | None = None
     compile_eager_random: bool | None = None
+    compile_fuse_projections: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -83,6 +87,7 @@ class StageConfig:
         "compile_recompute_pointwise",
         "compile_rotary_once",
         "compile_eager_random",
+        "compile_fuse_projections",
         "attention_backend",
     )
 
@@ -141,6 +146,9 @@ STAGES: dict[str, StageConfig] = {
             # dropout's masks drawn by torch's kernels: on an H200 BERT-base 128x128's step took 26.27 ms against
             # 27.11, GPT-2's 35.57 against 36.05 (benchmarks/h200-2026-12-03-random)
             compile_eager_random=True,
+            # one matmul for the linears that read one input: on an H200 BERT-base 128x128's step took 24.75 ms against
+            # 26.27 (benchmarks/h200-2026-12-03-short)
+            compile_fuse_projections=True,
         ),
         StageConfig(
             "auto",

@@ -139,8 +139,9 @@ def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
 
 
 def test_compile_fuse_projections_is_yours_to_set_on_a_compiled_run_only():
-    assert make(stage="fastest").compile_fuse_projections is None  # (not measured on a GPU yet: no stage sets it)
-    assert make(stage="fastest", compile_fuse_projections=True).compile_fuse_projections is True
+    assert make(stage="fastest").compile_fuse_projections is True
+    assert make(stage="fastest", compile_fuse_projections=False).compile_fuse_projections is False
+    assert make(stage="compiled").compile_fuse_projections is None
     for stage in ("torch_fused", None):
         with pytest.raises(ValueError, match="compile_fuse_projections=True .* but torch_compile is off"):
             make(stage=stage, compile_fuse_projections=True)

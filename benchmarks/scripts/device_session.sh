@@ -8,7 +8,8 @@
 # test) | pytest:<test>[,<test>...] (those GPU tests alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with
 # HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
 # (benchmarks/scripts/attention_in_step.py) | cupti
-# (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row) |
+# (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row;
+# HP_FLAGS: more recipes/finetune.py flags) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
 # that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
 # e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead; a flag +NAME=VALUE sets an environment
@@ -97,7 +98,7 @@ for step in "$@"; do
 o = bench.parse_args(['--data_dir', '.deps/data', '--warmup', '10']); o.tiny = False
 print(' '.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/hostprof'))))")
       log=$OUT/hostprof-$model-$stage${plain:+-plain}.log
-      timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 $flags > $log 2>&1
+      timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 $flags $HP_FLAGS > $log 2>&1
       echo "hostprof $model $stage ${plain} rc $?"; grep -E "wall|kernels and copies|Synchronize|_local_scalar|==" $log | head -20;;
     resume:*)
       IFS=: read -r _ folder stages <<< "$step"
