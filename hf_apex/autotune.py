@@ -37,7 +37,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from . import distributed
-from .kernels import attention, norms, short_attention
+from .kernels import attention, norms
 from .kernels.availability import environment
 from .kernels.norms import stock_class
 from .kernels.trace import APEX, TORCH
@@ -136,13 +136,11 @@ def norm_probe(module: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None
     return fwd_bwd, parity
 
 
-def attention_probe(
-    call: attention.AttentionCall, short: bool = False
-) -> tuple[dict[str, Callable[[], None]], Callable[[str], bool]]:
+def attention_probe(call: attention.AttentionCall) -> tuple[dict[str, Callable[[], None]], Callable[[str], bool]]:
     """``(candidates, parity)`` for the autotuner: one forward and backward of ``call``'s attention on random inputs
-    per backend that can run it (TORCH, PyTorch's own choice, always; with ``short``, hf_apex's short-sequence
-    kernel where it fits the call), and whether a backend's output and gradients match the math backend's in FP32
-    within the tolerance of ``call``'s dtype (without dropout, whose masks differ by backend)."""
+    per backend that can run it (TORCH, PyTorch's own choice, always), and whether a backend's output and gradients
+    match the math backend's in FP32 within the tolerance of ``call``'s dtype (without dropout, whose masks differ
+    by backend)."""
     strides = call.strides or (None, None, None)
     with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
         q, k, v = (
@@ -161,11 +159,6 @@ def attention_probe(
 
         inputs = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
         mask = None if call.mask is None else cast(call.mask)
-        if backend == attention.SHORT:  # (its output in (batch, tokens, heads, dim) order: seen as SDPA's)
-            with torch.enable_grad():
-                out = short_attention.short_attention(*inputs, mask, dropout_p, call.scale, call.is_causal)
-                out = out.transpose(1, 2)
-                return out, torch.autograd.grad(out, inputs, cast(grad_out))
         only = contextlib.nullcontext() if backend == TORCH else sdpa_kernel([attention.BACKENDS[backend]])
         with torch.enable_grad(), only:
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -187,9 +180,6 @@ def attention_probe(
         except RuntimeError:
             continue
         candidates[name] = lambda name=name: run(name, call.dropout_p)
-    if short and short_attention.register() and short_attention.runs_on(q):
-        if short_attention.unfit(q, k, v, call.mask, call.enable_gqa) is None:
-            candidates[attention.SHORT] = lambda: run(attention.SHORT, call.dropout_p)
 
     def parity(name: str) -> bool:
         # The reference in FP32: two BF16 kernels can each be right and still differ by more than one rounding.
@@ -448,7 +438,7 @@ class Autotuner:
     def _decide(self, component: str, key: dict, prepare, checked_later: bool = False) -> Decision:
         parts = self._cache_parts(component, key)
         hit = self.cache.get(parts)
-        if hit is not None and hit.get("backend") in (APEX, TORCH, attention.SHORT, *attention.BACKENDS):
+        if hit is not None and hit.get("backend") in (APEX, TORCH, *attention.BACKENDS):
             return Decision(
                 component, key, hit["backend"], hit.get("times_ms", {}), hit.get("parity_ok", {}), True, "cache"
             )
@@ -552,14 +542,11 @@ class Autotuner:
         return backend
 
     # -- the attention backend -------------------------------------------------------------------------------
-    def choose_attention(
-        self, call: attention.AttentionCall | None, blocked: str | None = None, short: bool = False
-    ) -> str:
+    def choose_attention(self, call: attention.AttentionCall | None, blocked: str | None = None) -> str:
         """The fastest SDPA backend for the model's attention ``call`` (see :func:`attention.capture`), timed on
         its shapes, memory layout, mask, dropout and scale; ``"torch"`` (PyTorch's own choice) when there is no call
-        to time, ``blocked`` says why not to time, or nothing beats it. ``short``: hf_apex's short-sequence kernel
-        is a candidate too (the model can run it: :data:`attention.SHORT_KERNEL`). Rank 0 decides for all ranks
-        (every rank calls)."""
+        to time, ``blocked`` says why not to time, or nothing beats it. Rank 0 decides for all ranks (every rank
+        calls)."""
         pinned = self._pinned_decision("attention", "attention", {})
         if pinned is not None:
             return pinned
@@ -572,12 +559,9 @@ class Autotuner:
             backend = attention.TORCH
         else:  # (a collective under DDP: every rank reaches its first training step)
             key = {**call.describe(), "cudnn": torch.backends.cudnn.version() if call.device.type == "cuda" else None}
-            if short:
-                key["short"] = True
             # The probe's dropout draws stay out of the run's random streams (rank 0 times alone: it keeps in step).
             with torch.random.fork_rng(devices=[call.device] if call.device.type == "cuda" else []):
-                probe = functools.partial(attention_probe, call, short)
-                backend = self.choose("attention", key, probe, same_on_all_ranks=True).backend
+                backend = self.choose("attention", key, lambda: attention_probe(call), same_on_all_ranks=True).backend
         self.memo["attention"] = backend
         return backend
 

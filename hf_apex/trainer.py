@@ -526,7 +526,7 @@ class ApexTrainer(Trainer):
             with self.accelerator.autocast():
                 self.compute_loss(raw, dict(inputs))
 
-        return self.autotuner.choose_attention(capture_attention(forward), short=self.static_masks)
+        return self.autotuner.choose_attention(capture_attention(forward))
 
     def _use_attention(self, model: nn.Module) -> None:
         """Run ``model``'s attention with masks decided on the host where asked, and through hf_apex's short-sequence

@@ -198,13 +198,13 @@ class ApexTrainingArguments(TrainingArguments):
             `"efficient"` or `"math"` first in SDPA's priority (inputs it cannot take fall back to the others),
             `"short"`: hf_apex's Triton kernel for sequences of up to 128 tokens (`hf_apex.kernels.short_attention`;
             the model runs as `hf_apex_short` during training, SDPA taking the calls the kernel does not fit; it needs
-            a CUDA GPU with Triton and `drop_full_attention_mask`), or `"fastest"`: on the first training batch,
-            the model's first SDPA call is recorded and every backend that can run it, `"short"` included, is timed
-            (forward and backward at its shapes, memory layout, mask, dropout and scale) against PyTorch's own
-            choice, in turns; the fastest whose results match the math backend's wins,
-            the decision is cached in `autotune_cache`, kept in checkpoints and written to the logs and the metrics
-            JSON. Not timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The `fastest` stage sets
-            `"fastest"`, which a value of yours overrides.
+            a CUDA GPU with Triton and `drop_full_attention_mask`; on an H200 it was slower than cuDNN, so `"fastest"`
+            does not time it), or `"fastest"`: on the first training batch, the model's first SDPA call is recorded
+            and every SDPA backend that can run it is timed (forward and backward at its shapes, memory layout, mask,
+            dropout and scale) against PyTorch's own choice, in turns; the fastest whose results match the math
+            backend's wins, the decision is cached in `autotune_cache`, kept in checkpoints and written to the logs
+            and the metrics JSON. Not timed under FSDP or DeepSpeed. `None` leaves the choice to PyTorch. The
+            `fastest` stage sets `"fastest"`, which a value of yours overrides.
 
         > Parameters that control the stage metrics
 

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from hf_apex import ApexTrainer
-from hf_apex.autotune import attention_probe
 from hf_apex.kernels import attention
 from hf_apex.kernels import short_attention as sa
 from hf_apex.measure.report import METRICS_FILENAME
-from tests.test_attention import fake_timer
 from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, tiny_inputs, tiny_model
 
@@ -167,38 +165,25 @@ def test_dynamo_traces_the_kernel_into_the_graph_without_a_break(kernel):
     torch.testing.assert_close(got, ref)
 
 
-def test_the_probe_offers_the_kernel_where_the_model_can_run_it(kernel):
-    q, k, v = heads(2, 2, 16, 16)
-    call = attention.AttentionCall(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), torch.float32, q.device, None, 0.1, False, None, False
-    )
-    candidates, parity = attention_probe(call)
-    assert attention.SHORT not in candidates
-    candidates, parity = attention_probe(call, short=True)
-    assert attention.SHORT in candidates and parity(attention.SHORT)
-    candidates[attention.SHORT]()  # a timed call: forward and backward, with the call's dropout
-
-
-def test_the_fastest_stage_trains_with_the_kernel_when_it_times_fastest(tmp_path, kernel):
-    """`attention_backend="fastest"` times the kernel beside SDPA's backends; when it wins, the steps run it (the
-    model is `hf_apex_short` meanwhile) with the losses of SDPA's attention (no dropout)."""
+def test_the_trainer_trains_with_the_kernel_when_named(tmp_path, kernel):
+    """`attention_backend="short"`: the steps run the kernel (the model is `hf_apex_short` meanwhile) with the losses
+    of SDPA's attention (no dropout), and the model leaves train() on `sdpa`."""
     data = TokenDataset(n=32, seq=16, task="cls")
     seen = []
 
     def run(name, **kw):
-        args = train_args(tmp_path / name, max_steps=3, autotune_cache=str(tmp_path / "cache.json"), **kw)
+        args = train_args(tmp_path / name, max_steps=3, **kw)
         model = tiny_model("bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).train()
-        trainer = ApexTrainer(model=model, args=args, train_dataset=data)
-        if trainer.autotuner is not None:
-            trainer.autotuner.timer = fake_timer({"torch": 3.0, "flash": 2.5, "math": 2.0, attention.SHORT: 1.0})
         model.register_forward_pre_hook(lambda m, _: seen.append(m.config._attn_implementation))
+        trainer = ApexTrainer(model=model, args=args, train_dataset=data)
         trainer.train()
         metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
         return trainer, [h["loss"] for h in metrics["loss_history"]], metrics
 
     _, losses, _ = run("default")
-    trainer, fastest, metrics = run("fastest", attention_backend="fastest")
-    assert trainer.sdpa_backend == attention.SHORT and attention.SHORT_KERNEL in seen
+    assert attention.SHORT_KERNEL not in seen
+    trainer, short, metrics = run("short", attention_backend="short")
+    assert attention.SHORT_KERNEL in seen
     assert metrics["kernels"]["attention_backend"].startswith("short: hf_apex's Triton kernel")
-    assert fastest == pytest.approx(losses, rel=1e-4)
+    assert short == pytest.approx(losses, rel=1e-4)
     assert trainer.model.config._attn_implementation == "sdpa"  # (after train())

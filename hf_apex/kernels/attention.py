@@ -13,9 +13,10 @@ backend computes the same attention; with dropout, each draws its own masks.
 Which mask SDPA gets is the other half: :func:`use_static_masks` runs a model as :data:`STATIC_MASKS`, transformers'
 ``sdpa`` attention with its masks decided without reading a tensor (below).
 
-One more candidate is hf_apex's own: ``"short"`` (:mod:`hf_apex.kernels.short_attention`), a Triton kernel that holds
-a whole head of at most 128 tokens in one program. A model runs it as :data:`SHORT_KERNEL`, the static masks with
-that kernel for the calls it fits and SDPA for the others.
+``attention_backend="short"`` names hf_apex's own kernel instead (:mod:`hf_apex.kernels.short_attention`), a Triton
+kernel that holds a whole head of at most 128 tokens in one program. A model runs it as :data:`SHORT_KERNEL`, the
+static masks with that kernel for the calls it fits and SDPA for the others. On an H200 it was slower than cuDNN at
+BERT-base's shape (benchmarks/h200-2026-12-03-short), so ``"fastest"`` does not time it.
 """
 
 from __future__ import annotations
