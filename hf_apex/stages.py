@@ -55,6 +55,8 @@ class StageConfig:
         compile_fuse_projections: with `torch_compile` (Inductor), linears that read one input (BERT's query, key
             and value; a Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
             (`hf_apex.kernels.projections`); the same dot products. A default, as above.
+        compile_combo_kernels: with `torch_compile` (Inductor), independent small kernels run as one (Inductor's
+            `combo_kernels`); the same operations. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -76,6 +78,7 @@ class StageConfig:
     compile_rotary_once: bool | None = None
     compile_eager_random: bool | None = None
     compile_fuse_projections: bool | None = None
+    compile_combo_kernels: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -88,6 +91,7 @@ class StageConfig:
         "compile_rotary_once",
         "compile_eager_random",
         "compile_fuse_projections",
+        "compile_combo_kernels",
         "attention_backend",
     )
 

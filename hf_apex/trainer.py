@@ -170,7 +170,8 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
       graph, as eager mode draws them (``torch._inductor.config.fallback_random``).
     - ``compile_fuse_projections``: linears that read one input run as one matmul
       (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections`
-      has no objection."""
+      has no objection.
+    - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``)."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     settings, inductor = {}, {}
@@ -183,6 +184,8 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
+    if args.compile_combo_kernels:
+        inductor["combo_kernels"] = True
     if inductor:
         settings["torch._inductor.config"] = inductor
     return settings
@@ -229,7 +232,8 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
         if _graphs_compiled_under is not None:
             logger.info(
                 "hf_apex: this run compiles under other settings than the graphs an earlier run compiled in this "
-                "process (compile_recompute_pointwise, compile_eager_random, compile_fuse_projections): torch's "
+                "process (compile_recompute_pointwise, compile_eager_random, compile_fuse_projections, "
+                "compile_combo_kernels): torch's "
                 "compiled graphs are dropped, to compile this run's own."
             )
         torch._dynamo.reset()
@@ -711,6 +715,8 @@ class ApexTrainer(Trainer):
             )
         elif self.args.torch_compile and self.args.compile_fuse_projections:
             kernels["projections"] = f"not fused (compile_fuse_projections): {why_not_fuse_projections(self.args)}"
+        if inductor.get("combo_kernels"):
+            kernels["combo_kernels"] = "Inductor runs independent small kernels as one (compile_combo_kernels)"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

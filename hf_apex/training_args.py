@@ -186,6 +186,12 @@ class ApexTrainingArguments(TrainingArguments):
             The same dot products; the modules and the state dict are unchanged. On an H200 BERT-base 128 x 128's
             `fastest` step took 24.75 ms with it against 26.27 (`benchmarks/h200-2026-12-03-short`). `None`: off;
             the `fastest` stage sets `True`, which `False` of yours overrides.
+        compile_combo_kernels (`bool` or `None`, *optional*, defaults to `None`):
+            With `torch_compile` (Inductor): independent small kernels of a compiled graph, such as the casts of the
+            weights to the autocast dtype, run as one kernel (Inductor's `combo_kernels`, set for this trainer's
+            training steps only). The same operations. On an H200 BERT-base 128 x 128's `fastest` step took 25.78 ms
+            with it against 26.27 (`benchmarks/h200-2026-12-03-short`); not yet measured with the other models or
+            with `compile_fuse_projections`, so no stage sets it. `None`: off.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -346,6 +352,13 @@ class ApexTrainingArguments(TrainingArguments):
             "None: off. The fastest stage sets True, which false of yours overrides."
         },
     )
+    compile_combo_kernels: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With torch_compile (Inductor): independent small kernels (the weights' casts) run as one kernel "
+            "(Inductor's combo_kernels; the same operations). None: off."
+        },
+    )
     fused_linear_cross_entropy: bool = field(
         default=False,
         metadata={
@@ -427,7 +440,12 @@ class ApexTrainingArguments(TrainingArguments):
                 "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
                 "compiled, fastest, auto), or drop it."
             )
-        for name in ("compile_rotary_once", "compile_eager_random", "compile_fuse_projections"):
+        for name in (
+            "compile_rotary_once",
+            "compile_eager_random",
+            "compile_fuse_projections",
+            "compile_combo_kernels",
+        ):
             if getattr(self, name) and not self.torch_compile:
                 raise ValueError(
                     f"{name}=True changes what torch.compile generates, but torch_compile is off: turn torch_compile "

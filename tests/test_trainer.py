@@ -438,6 +438,38 @@ def test_compile_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer
     torch._dynamo.reset()
 
 
+def test_compile_combo_kernels_holds_for_the_training_steps_with_the_same_losses(tmp_path):
+    """compile_combo_kernels sets Inductor's combo_kernels while the trainer's steps compile and run (and not after),
+    the losses stay those of the run without it, and the metrics JSON says so."""
+    import torch._inductor.config as inductor
+
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(inductor.combo_kernels)
+
+    def run(name, **switches):
+        torch._dynamo.reset()
+        args = train_args(tmp_path / name, max_steps=3, torch_compile=True, **switches)
+        trainer = ApexTrainer(model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls"))
+        trainer.add_callback(Watch())
+        with inductor.patch(force_disable_caches=True):
+            trainer.train()
+        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
+        return [h["loss"] for h in metrics["loss_history"]], metrics["kernels"]
+
+    stock, kernels = run("stock")
+    assert "combo_kernels" not in kernels and not any(seen)
+    seen.clear()
+    combined, kernels = run("combo", compile_combo_kernels=True)
+    torch._dynamo.reset()
+    assert seen and all(seen)
+    assert kernels["combo_kernels"].startswith("Inductor runs independent small kernels as one")
+    assert inductor.combo_kernels is False  # (torch's default, outside the steps)
+    assert combined == pytest.approx(stock, rel=1e-5)
+
+
 def test_compile_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
     model = tiny_model("llama").train()
     switches = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=2)

@@ -126,8 +126,9 @@ def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to
         make(stage="fastest", compile_recompute_pointwise="yes")
 
 
-# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels
-@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random"])
+# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels;
+# compile_fuse_projections: linears that read one input as one matmul
+@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random", "compile_fuse_projections"])
 def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
     assert getattr(make(stage="fastest"), switch) is True
     assert getattr(make(stage="fastest", **{switch: False}), switch) is False  # yours wins
@@ -138,13 +139,12 @@ def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
             make(stage=stage, **{switch: True})
 
 
-def test_compile_fuse_projections_is_yours_to_set_on_a_compiled_run_only():
-    assert make(stage="fastest").compile_fuse_projections is True
-    assert make(stage="fastest", compile_fuse_projections=False).compile_fuse_projections is False
-    assert make(stage="compiled").compile_fuse_projections is None
+def test_compile_combo_kernels_is_yours_to_set_on_a_compiled_run_only():
+    assert make(stage="fastest").compile_combo_kernels is None  # (not measured beside the fused projections yet)
+    assert make(stage="fastest", compile_combo_kernels=True).compile_combo_kernels is True
     for stage in ("torch_fused", None):
-        with pytest.raises(ValueError, match="compile_fuse_projections=True .* but torch_compile is off"):
-            make(stage=stage, compile_fuse_projections=True)
+        with pytest.raises(ValueError, match="compile_combo_kernels=True .* but torch_compile is off"):
+            make(stage=stage, compile_combo_kernels=True)
 
 
 def test_fused_full_with_fp16():
