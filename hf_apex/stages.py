@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 APEX_OPTIMIZERS = ("none", "fused_adam", "fused_lamb")
-RECOMPUTE_CHOICES = ("auto", "true", "false")  # compile_recompute_pointwise
+AUTO_CHOICES = ("auto", "true", "false")  # compile_recompute_pointwise, compile_fuse_projections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,10 @@ class StageConfig:
             as above.
         compile_eager_random: with `torch_compile`, random ops (dropout's masks) run torch's own kernels inside the
             compiled graph, as eager draws them, instead of Inductor's per-element Philox. A default, as above.
-        compile_fuse_projections: with `torch_compile` (Inductor), linears that read one input (BERT's query, key
-            and value; a Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
-            (`hf_apex.kernels.projections`); the same dot products. A default, as above.
+        compile_fuse_projections: with `torch_compile` (Inductor), `"true"`: linears that read one input (BERT's
+            query, key and value; a Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
+            (`hf_apex.kernels.projections`); the same dot products. `"auto"`: the same except in a causal LM, where
+            it slowed the Llama-architecture model's step. A default, as above.
         compile_combo_kernels: with `torch_compile` (Inductor), independent small kernels run as one (Inductor's
             `combo_kernels`); the same operations. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
@@ -77,7 +78,7 @@ class StageConfig:
     compile_recompute_pointwise: str | None = None
     compile_rotary_once: bool | None = None
     compile_eager_random: bool | None = None
-    compile_fuse_projections: bool | None = None
+    compile_fuse_projections: str | None = None
     compile_combo_kernels: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
@@ -151,8 +152,9 @@ STAGES: dict[str, StageConfig] = {
             # 27.11, GPT-2's 35.57 against 36.05 (benchmarks/h200-2026-12-03-random)
             compile_eager_random=True,
             # one matmul for the linears that read one input: on an H200 BERT-base 128x128's step took 24.75 ms against
-            # 26.27 (benchmarks/h200-2026-12-03-short)
-            compile_fuse_projections=True,
+            # 26.27; the Llama-architecture 124M's took 34.55 against 32.44, so not in a causal LM
+            # (benchmarks/h200-2026-12-03-short)
+            compile_fuse_projections="auto",
         ),
         StageConfig(
             "auto",

@@ -63,7 +63,7 @@ from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, Deci
 from .kernels.attention import SHORT, SHORT_KERNEL, STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
-from .kernels.loss import fuse_linear_cross_entropy, is_fused, unfuse_linear_cross_entropy
+from .kernels.loss import fuse_linear_cross_entropy, is_causal_lm, is_fused, unfuse_linear_cross_entropy
 from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.rotary import compute_rotary_once, restore_rotary
@@ -168,9 +168,9 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
       (``torch._functorch.config``).
     - ``compile_eager_random``: random ops, dropout's masks among them, run torch's own kernels inside the compiled
       graph, as eager mode draws them (``torch._inductor.config.fallback_random``).
-    - ``compile_fuse_projections``: linears that read one input run as one matmul
-      (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections`
-      has no objection.
+    - ``compile_fuse_projections`` (``"true"``, or ``"auto"`` for a model that is not a causal LM): linears that read
+      one input run as one matmul (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where
+      :func:`why_not_fuse_projections` has no objection.
     - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``)."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
@@ -180,7 +180,7 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         settings["torch._functorch.config"] = {"ban_recompute_materialized_backward": False}
     if args.compile_eager_random:
         inductor["fallback_random"] = True
-    if args.compile_fuse_projections and why_not_fuse_projections(args) is None:
+    if why_not_fuse_projections(args, model) is None:
         from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
@@ -191,9 +191,16 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     return settings
 
 
-def why_not_fuse_projections(args) -> str | None:
-    """Why ``compile_fuse_projections`` cannot act on this run's compiled graphs (None: it can): the pass is
-    Inductor's, and a pre-grad pass of yours keeps its place."""
+def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
+    """Why this run's compiled graphs do not fuse projections (None: they do): ``compile_fuse_projections`` is off,
+    or ``"auto"`` for a causal LM (on an H200 it slowed the Llama-architecture model's step by 6.5 %,
+    benchmarks/h200-2026-12-03-short), the backend is not Inductor's (the pass is), or a pre-grad pass of yours
+    keeps its place."""
+    wanted = args.compile_fuse_projections
+    if wanted in (None, "false"):
+        return "compile_fuse_projections is off"
+    if wanted == "auto" and model is not None and is_causal_lm(model):
+        return "compile_fuse_projections=auto leaves a causal LM's projections apart (they cost Llama time on an H200)"
     backend = args.torch_compile_backend or "inductor"
     if backend != "inductor":
         return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
@@ -713,8 +720,8 @@ class ApexTrainer(Trainer):
                 "Inductor's pre-grad pass runs the linears that read one input as one matmul, where it can "
                 "(compile_fuse_projections)"
             )
-        elif self.args.torch_compile and self.args.compile_fuse_projections:
-            kernels["projections"] = f"not fused (compile_fuse_projections): {why_not_fuse_projections(self.args)}"
+        elif self.args.torch_compile and self.args.compile_fuse_projections not in (None, "false"):
+            kernels["projections"] = f"not fused: {why_not_fuse_projections(self.args, self.model)}"
         if inductor.get("combo_kernels"):
             kernels["combo_kernels"] = "Inductor runs independent small kernels as one (compile_combo_kernels)"
         if isinstance(self.data_collator, DropFullAttentionMask):

@@ -13,7 +13,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .kernels.trace import APEX, TORCH
-from .stages import APEX_OPTIMIZERS, RECOMPUTE_CHOICES, STAGES, get_stage
+from .stages import APEX_OPTIMIZERS, AUTO_CHOICES, STAGES, get_stage
 
 logger = logging.getLogger("hf_apex")
 
@@ -179,13 +179,15 @@ class ApexTrainingArguments(TrainingArguments):
             with dropout 0.1 in the models' configs, BERT-base 128 x 128's `fastest` step took 26.27 ms against 27.11
             and GPT-2 124M 16 x 1024's 35.57 against 36.05 (`benchmarks/h200-2026-12-03-random`). `None`: off; the
             `fastest` stage sets `True`, which `False` of yours overrides.
-        compile_fuse_projections (`bool` or `None`, *optional*, defaults to `None`):
-            With `torch_compile` (Inductor): the linears that read one input, such as BERT's query, key and value or a
-            Llama's q/k/v and gate/up projections, run as one matmul on their concatenated weights, split back after
-            it (`hf_apex.kernels.projections`, an Inductor pre-grad pass set for this trainer's training steps only).
-            The same dot products; the modules and the state dict are unchanged. On an H200 BERT-base 128 x 128's
-            `fastest` step took 24.75 ms with it against 26.27 (`benchmarks/h200-2026-12-03-short`). `None`: off;
-            the `fastest` stage sets `True`, which `False` of yours overrides.
+        compile_fuse_projections (`str` or `None`, *optional*, defaults to `None`):
+            With `torch_compile` (Inductor), `"true"`: the linears that read one input, such as BERT's query, key and
+            value or a Llama's q/k/v and gate/up projections, run as one matmul on their concatenated weights, split
+            back after it (`hf_apex.kernels.projections`, an Inductor pre-grad pass set for this trainer's training
+            steps only). The same dot products; the modules and the state dict are unchanged. On an H200 BERT-base
+            128 x 128's `fastest` step took 24.75 ms with it against 26.27, but the Llama-architecture 124M's took
+            34.55 against 32.44 and 0.57 GiB more (`benchmarks/h200-2026-12-03-short`). `"auto"`: `"true"` except
+            for a causal LM (a `...ForCausalLM` or `...LMHeadModel`). `None` or `"false"`: off. The `fastest` stage
+            sets `"auto"`, which a value of yours overrides; `True` and `False` stand for `"true"` and `"false"`.
         compile_combo_kernels (`bool` or `None`, *optional*, defaults to `None`):
             With `torch_compile` (Inductor): independent small kernels of a compiled graph, such as the casts of the
             weights to the autocast dtype, run as one kernel (Inductor's `combo_kernels`, set for this trainer's
@@ -325,7 +327,7 @@ class ApexTrainingArguments(TrainingArguments):
             "GELU's output) instead of keeping them: less activation memory, a little more time, same maths. auto: "
             "true unless the causal-LM loss runs without logits (fused_linear_cross_entropy). None or false: torch's "
             "default (keep them). The fastest stage sets auto.",
-            "choices": list(RECOMPUTE_CHOICES),
+            "choices": list(AUTO_CHOICES),
         },
     )
     compile_rotary_once: bool | None = field(
@@ -344,12 +346,13 @@ class ApexTrainingArguments(TrainingArguments):
             "The fastest stage sets True, which false of yours overrides."
         },
     )
-    compile_fuse_projections: bool | None = field(
+    compile_fuse_projections: str | None = field(
         default=None,
         metadata={
-            "help": "With torch_compile (Inductor): linears that read one input (BERT's query/key/value, a Llama's "
-            "q/k/v and gate/up) run as one matmul on their concatenated weights (same dot products, same modules). "
-            "None: off. The fastest stage sets True, which false of yours overrides."
+            "help": "With torch_compile (Inductor), true: linears that read one input (BERT's query/key/value, a "
+            "Llama's q/k/v and gate/up) run as one matmul on their concatenated weights (same dot products, same "
+            "modules); auto: the same except in causal LMs. None or false: off. The fastest stage sets auto.",
+            "choices": list(AUTO_CHOICES),
         },
     )
     compile_combo_kernels: bool | None = field(
@@ -412,13 +415,12 @@ class ApexTrainingArguments(TrainingArguments):
         # Stage switches must be set before super().__post_init__(): it derives mixed precision and TF32 from them.
         if self.amp_dtype not in ("bf16", "fp16"):
             raise ValueError(f"amp_dtype must be 'bf16' or 'fp16', got {self.amp_dtype!r}")
-        if isinstance(self.compile_recompute_pointwise, bool):  # (before the stage: a value of yours wins over it)
-            self.compile_recompute_pointwise = str(self.compile_recompute_pointwise).lower()
-        if self.compile_recompute_pointwise not in (None, *RECOMPUTE_CHOICES):
-            raise ValueError(
-                f"compile_recompute_pointwise must be one of {RECOMPUTE_CHOICES} or None, got "
-                f"{self.compile_recompute_pointwise!r}"
-            )
+        for name in ("compile_recompute_pointwise", "compile_fuse_projections"):  # "auto", "true" or "false"
+            value = getattr(self, name)
+            if isinstance(value, bool):  # (before the stage: a value of yours wins over it)
+                setattr(self, name, value := str(value).lower())
+            if value not in (None, *AUTO_CHOICES):
+                raise ValueError(f"{name} must be one of {AUTO_CHOICES} or None, got {value!r}")
         if self.stage is not None:
             self._apply_stage()
         if self.ddp_find_unused_parameters is None:
@@ -440,12 +442,13 @@ class ApexTrainingArguments(TrainingArguments):
                 "recomputes, but torch_compile is off: turn torch_compile on (or pick a stage that compiles: "
                 "compiled, fastest, auto), or drop it."
             )
-        for name in (
-            "compile_rotary_once",
-            "compile_eager_random",
-            "compile_fuse_projections",
-            "compile_combo_kernels",
-        ):
+        if self.compile_fuse_projections not in (None, "false") and not self.torch_compile:
+            raise ValueError(
+                f"compile_fuse_projections={self.compile_fuse_projections!r} changes what torch.compile generates, "
+                "but torch_compile is off: turn torch_compile on (or pick a stage that compiles: compiled, fastest, "
+                "auto), or drop it."
+            )
+        for name in ("compile_rotary_once", "compile_eager_random", "compile_combo_kernels"):
             if getattr(self, name) and not self.torch_compile:
                 raise ValueError(
                     f"{name}=True changes what torch.compile generates, but torch_compile is off: turn torch_compile "

@@ -432,10 +432,21 @@ def test_compile_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer
     assert fused == 2 * 2 and says.startswith("Inductor's pre-grad pass runs the linears")
     assert losses == pytest.approx(stock, rel=1e-5)
     _, says, fused = run("aot", compile_fuse_projections=True, torch_compile_backend="aot_eager")
-    assert fused == 0 and says == "not fused (compile_fuse_projections): its pass is Inductor's, and " + (
-        "torch_compile_backend='aot_eager'"
-    )
+    assert fused == 0 and says == "not fused: its pass is Inductor's, and torch_compile_backend='aot_eager'"
+    _, says, fused = run("auto", compile_fuse_projections="auto")  # a causal LM: left apart
+    assert fused == 0 and says.startswith("not fused: compile_fuse_projections=auto leaves a causal LM's")
     torch._dynamo.reset()
+
+
+def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path):
+    """`auto` (fastest's value): BERT's compiled steps run the pass, a Llama's and a GPT-2's do not."""
+    from hf_apex.kernels.projections import FUSE_SHARED_INPUT_LINEARS
+    from hf_apex.trainer import compile_settings
+
+    args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True)
+    inductor = {family: compile_settings(args, tiny_model(family)) for family in ("bert", "llama", "gpt2")}
+    passes = {f: s.get("torch._inductor.config", {}).get("pre_grad_custom_pass") for f, s in inductor.items()}
+    assert passes == {"bert": FUSE_SHARED_INPUT_LINEARS, "llama": None, "gpt2": None}
 
 
 def test_compile_combo_kernels_holds_for_the_training_steps_with_the_same_losses(tmp_path):

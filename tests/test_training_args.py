@@ -126,9 +126,8 @@ def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to
         make(stage="fastest", compile_recompute_pointwise="yes")
 
 
-# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels;
-# compile_fuse_projections: linears that read one input as one matmul
-@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random", "compile_fuse_projections"])
+# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels
+@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random"])
 def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
     assert getattr(make(stage="fastest"), switch) is True
     assert getattr(make(stage="fastest", **{switch: False}), switch) is False  # yours wins
@@ -137,6 +136,19 @@ def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
     for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
         with pytest.raises(ValueError, match=f"{switch}=True .* but torch_compile is off"):
             make(stage=stage, **{switch: True})
+
+
+def test_compile_fuse_projections_is_auto_in_fastest_and_yours_to_set_on_a_compiled_run_only():
+    assert make(stage="fastest").compile_fuse_projections == "auto"
+    assert make(stage="fastest", compile_fuse_projections=False).compile_fuse_projections == "false"  # yours wins
+    assert make(stage="fastest", compile_fuse_projections=True).compile_fuse_projections == "true"
+    assert make(stage="compiled").compile_fuse_projections is None
+    with pytest.raises(ValueError, match="compile_fuse_projections must be one of"):
+        make(stage="compiled", compile_fuse_projections="sometimes")
+    for stage in ("torch_fused", None):
+        with pytest.raises(ValueError, match="compile_fuse_projections='true' .* but torch_compile is off"):
+            make(stage=stage, compile_fuse_projections=True)
+        assert make(stage=stage, compile_fuse_projections=False).compile_fuse_projections == "false"
 
 
 def test_compile_combo_kernels_is_yours_to_set_on_a_compiled_run_only():

@@ -249,6 +249,12 @@ def causal_lm_loss(
         )
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers causal LM by its class: a ``...ForCausalLM`` or a ``...LMHeadModel``
+    (GPT-2's)."""
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can: a
     transformers causal LM (``...ForCausalLM``, or GPT-2's ``GPT2LMHeadModel``) of a family in ``SUPPORTED``, whose
@@ -259,7 +265,7 @@ def unsupported(model: nn.Module) -> str | None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if not isinstance(model, PreTrainedModel) or not (name.endswith("ForCausalLM") or name == "GPT2LMHeadModel"):
+    if not isinstance(model, PreTrainedModel) or not is_causal_lm(model):
         return f"{name}: not a transformers causal LM (...ForCausalLM)"
     if model_type not in SUPPORTED:
         return f"{name}: only causal LMs of {', '.join(SUPPORTED)} (not {model_type})"
