@@ -23,7 +23,8 @@
 # and with its own autotune cache; then every run goes into .bench/runs, not overwriting, and a `bench:` step after it
 # writes the one table; the benches share the host's cores, which host-bound rows (BERT's eager ones) may feel).
 # DEADLINE: seconds for the whole call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step
-# gets what is left, and .bench (with any .bench-gpu<i>) is packed into $OUT/bench.tgz on the way out.
+# gets what is left, and .bench (with any .bench-gpu<i>) is packed into $OUT/bench.tgz on the way out, the variants'
+# outputs and logs into $OUT/variants.tgz.
 # Needs in .deps/: apex/ (a git archive of the apex commit), data/ (a copy of ../shared/data), whl/ (the wheels of
 # ../shared/tools/gpu-wheels: datasets and its two dependencies). TG_ARGS: more pytest flags for testgpu.
 set -o pipefail
@@ -33,7 +34,13 @@ DEADLINE=${DEADLINE:-570}
 left() { echo $((DEADLINE - SECONDS)); }
 [ -d /tmp/site/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .deps/whl/*.whl
 export PYTHONPATH=/tmp/site
-pack() { tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null; }
+pack() {
+  tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null
+  # the variants' outputs and logs in one file: a call's output comes back only up to a count of files
+  if ls $OUT/variant-*.out > /dev/null 2>&1; then
+    (cd $OUT && tar czf variants.tgz variant-*.out variant_logs 2>/dev/null && rm -rf variant-*.out variant_logs)
+  fi
+}
 trap pack EXIT
 for step in "$@"; do
   echo "=== $step at ${SECONDS}s ($(date -u +%H:%M:%S))"
