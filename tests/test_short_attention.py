@@ -65,16 +65,20 @@ def output_and_grads(fn, q, k, v, grad):
 
 
 @pytest.mark.parametrize(
-    "shape, mask, causal",
+    "shape, mask, causal, rows",
     [
-        ((2, 3, 20, 16), None, False),  # 20 tokens in a block of 32
-        ((2, 3, 20, 16), "bool", False),  # one row with every key masked out
-        ((1, 2, 33, 32), "float", False),  # a padding mask built as transformers builds it, broadcast over rows
-        ((2, 2, 17, 16), None, True),
-        ((2, 2, 128, 64), "float", False),  # BERT-base's 128 tokens: two blocks of query rows
+        ((2, 3, 20, 16), None, False, None),  # 20 tokens in a block of 32
+        ((2, 3, 20, 16), "bool", False, None),  # one row with every key masked out
+        ((1, 2, 33, 32), "float", False, None),  # a padding mask built as transformers builds it, broadcast over rows
+        ((2, 2, 17, 16), None, True, None),
+        ((2, 2, 128, 64), "float", False, None),  # BERT-base's 128 tokens
+        ((2, 2, 128, 64), "bool", True, 32),  # four blocks of query rows a program (the backward adds theirs up)
     ],
 )
-def test_the_kernel_computes_attention_and_its_gradients(kernel, shape, mask, causal):
+def test_the_kernel_computes_attention_and_its_gradients(kernel, monkeypatch, shape, mask, causal, rows):
+    if rows is not None:
+        monkeypatch.setattr(sa, "FORWARD_ROWS", rows)
+        monkeypatch.setattr(sa, "BACKWARD_ROWS", rows)
     b, h, n, d = shape
     q, k, v = heads(*shape)
     g = torch.Generator().manual_seed(1)
