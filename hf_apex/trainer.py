@@ -199,7 +199,7 @@ def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
     wanted = args.compile_fuse_projections
     if wanted in (None, "false"):
         return "compile_fuse_projections is off"
-    if wanted == "auto" and model is not None and is_causal_lm(model):
+    if wanted == "auto" and model is not None and is_causal_lm(getattr(model, "module", model)):  # (FSDP1 wraps it)
         return "compile_fuse_projections=auto leaves a causal LM's projections apart (they cost Llama time on an H200)"
     backend = args.torch_compile_backend or "inductor"
     if backend != "inductor":
@@ -486,8 +486,6 @@ class ApexTrainer(Trainer):
         if self._attention_to_tune:
             self._attention_to_tune = False
             self.sdpa_backend = self._choose_attention(self._prepare_inputs(inputs))
-            if self.sdpa_backend == SHORT:  # (before the first compiled step traces the attention)
-                self._use_attention(self.model)
         try:
             with preferring(self.sdpa_backend):  # (under torch.compile: the backend the graph is traced with)
                 return super().training_step(model, inputs, *args, **kwargs)
@@ -727,8 +725,9 @@ class ApexTrainer(Trainer):
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:
+            implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", STATIC_MASKS)
             kernels["attention_masks"] = (
-                f"{STATIC_MASKS}: decided without reading a tensor (no padding: no mask, SDPA's is_causal; "
+                f"{implementation}: decided without reading a tensor (no padding: no mask, SDPA's is_causal; "
                 "a batch without position_ids: one sequence per row)"
             )
         if self.args.attention_backend:

@@ -104,10 +104,11 @@ class ApexTrainingArguments(TrainingArguments):
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
             `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `torch_compile_backend`,
             `fused_linear_cross_entropy`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`,
-            `compile_eager_random`, `attention_backend`, `tf32` and the AMP flags;
-            setting any of them to something the stage contradicts raises `ValueError` (`torch_compile_mode`,
-            `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`,
-            `compile_eager_random` and `attention_backend` excepted: the stage's value is a default, and a mode or
+            `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels`, `attention_backend`, `tf32`
+            and the AMP flags; setting any of them to something the stage contradicts raises `ValueError`
+            (`torch_compile_mode`, `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`,
+            `compile_rotary_once`, `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels` and
+            `attention_backend` excepted: the stage's value is a default, and a mode or
             backend on a stage that does not compile is an error). `fastest` compiles with CUDA graphs
             (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not measured
             there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records them is then
@@ -259,10 +260,11 @@ class ApexTrainingArguments(TrainingArguments):
     > [!NOTE]
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
     > `torch_compile`, `torch_compile_mode`, `torch_compile_backend`, `autotune`, `fused_linear_cross_entropy`,
-    > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `attention_backend`, `tf32=False`); a
-    > value you set that the stage contradicts is a `ValueError`, except for `torch_compile_mode`,
-    > `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once` and
-    > `attention_backend`, whose stage values are defaults.
+    > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
+    > `compile_fuse_projections`, `compile_combo_kernels`, `attention_backend`, `tf32=False`); a value you set that
+    > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `torch_compile_backend`,
+    > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
+    > `compile_fuse_projections`, `compile_combo_kernels` and `attention_backend`, whose stage values are defaults.
     > A compile mode or backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so

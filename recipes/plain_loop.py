@@ -32,8 +32,8 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
+from hf_apex.kernels.attention import SHORT, one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.attention import capture as capture_attention
-from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.kernels.rotary import compute_rotary_once
@@ -106,7 +106,8 @@ def main(out_json: str, argv: list[str]) -> dict:
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
     if args.compile_rotary_once:
         compute_rotary_once(model)  # as ApexTrainer: a RoPE model's cos/sin once per compiled forward
-    static = use_static_masks(model, args.drop_full_attention_mask)  # as ApexTrainer: SDPA masks decided on the host
+    # as ApexTrainer: SDPA masks decided on the host, and hf_apex's short-sequence kernel where named
+    static = use_static_masks(model, args.drop_full_attention_mask, kernel=args.attention_backend == SHORT)
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},

@@ -9,14 +9,16 @@ the order transformers hands on to the output projection; the backward recompute
 mask (no probabilities or mask are saved, only the seed) and writes the three gradients in their inputs' layouts.
 
 It has not paid yet: on an H200 its forward and backward of BERT-base's call took 0.79 ms against cuDNN's 0.60, and
-BERT's compiled step with it 81 ms against 26, for reasons not yet found (benchmarks/h200-2026-12-03-short). So it
-runs only where ``attention_backend="short"`` names it.
+BERT's compiled step with its first version (a Philox draw per probability, 64 rows a program) 81 ms against 26, for
+reasons not yet found (benchmarks/h200-2026-12-03-short). So it runs only where ``attention_backend="short"`` names
+it.
 
 The maths is SDPA's: ``softmax(q @ k.T * scale + mask)`` in FP32 from the inputs' dtype, dropout with
 probability ``p`` and scaling by ``1 / (1 - p)``, the probabilities rounded to the inputs' dtype before the
 product with the values (as FlashAttention does). A boolean mask keeps the True positions; a floating mask is
-added to the scores. A query row with every key masked out gives zeros (SDPA's math backend gives NaN there).
-Each call draws its own dropout masks, as every SDPA backend draws its own.
+added to the scores. A query row whose keys a boolean (or -inf) mask all masks out gives zeros; a floating mask
+of finite minima gives what SDPA gives, a uniform row. Each call draws its own dropout masks, as every SDPA backend
+draws its own.
 
 :func:`attention_forward` is the transformers attention function that calls it (hf_apex's
 ``hf_apex_short`` attention, :func:`hf_apex.kernels.attention.use_static_masks`); calls it cannot take go to
@@ -212,6 +214,8 @@ def unfit(query, key, value, mask=None, enable_gqa: bool = False) -> str | None:
             return "the mask's keys must be contiguous"
     if b * h * n * n >= 2**31:
         return "more than 2**31 scores: the dropout's counters would wrap"
+    if b * h > 65535:
+        return f"{b} x {h} heads: more programs than a CUDA grid's second axis takes (65,535)"
     return None
 
 

@@ -93,7 +93,8 @@ SDPA_KERNELS: dict[str, re.Pattern] = {
     "flash": re.compile(r"pytorch_flash::|\bflash_(fwd|bwd)_"),
     "efficient": re.compile(r"fmha_cutlass|PyTorchMemEffAttention"),
     "cudnn": re.compile(r"cudnn\w*sdpa"),
-    "short": re.compile(r"\bshort_attention_(forward|backward)\b"),
+    # (Inductor appends _<n> to the name of a kernel it compiles into a graph)
+    "short": re.compile(r"\bshort_attention_(forward|backward)(_\d+)?\b"),
 }
 
 
