@@ -6,9 +6,9 @@ stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`
 four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
 the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and
 sin computed once per forward, dropout's masks drawn by torch's own kernels inside the compiled graph, linears that
-read one input run as one matmul, pointwise results recomputed in the backward where the loss reads the logits, a
-loss that never holds the logits and the SDPA backend timed fastest on your GPU, and ``auto``, which times apex
-against torch on your GPU and replays the step's kernels as CUDA graphs).
+read one input run as one matmul outside causal LMs, pointwise results recomputed in the backward where the loss
+reads the logits, a loss that never holds the logits and the SDPA backend timed fastest on your GPU, and ``auto``,
+which times apex against torch on your GPU and replays the step's kernels as CUDA graphs).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
@@ -127,8 +127,8 @@ STAGES: dict[str, StageConfig] = {
         StageConfig(
             "fastest",
             "compiled with CUDA graphs, RoPE's cos/sin once per forward, torch's dropout kernels, projections "
-            "that share an input as one matmul and pointwise results recomputed where the loss reads the logits + "
-            "a causal LM's loss without its logits + the fastest SDPA backend, timed on this GPU",
+            "that share an input as one matmul (not in causal LMs) and pointwise results recomputed where the loss "
+            "reads the logits + a causal LM's loss without its logits + the fastest SDPA backend, timed on this GPU",
             **_TORCH_FUSED,
             **_INDUCTOR,
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
