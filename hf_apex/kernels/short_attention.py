@@ -2,11 +2,12 @@
 
 SDPA's fused kernels are built for long sequences: they stream keys past a tile of queries. At BERT-base's 128
 tokens a head's queries, keys and values are 48 KiB, and on an H200 cuDNN's kernels spent 282 µs per layer of
-BERT-base 128 x 128 on a forward and backward that move ~300 MB (benchmarks/h200-2026-12-03-random): about a fifth
-of what the GPU's memory could carry. Here one program holds a whole head: the forward computes the scores, the mask,
-the softmax, dropout and the product with the values, and writes the output in (batch, tokens, heads, dim) order,
-the order transformers hands on to the output projection; the backward recomputes the softmax and the dropout
-mask (no probabilities or mask are saved, only the seed) and writes the three gradients in their inputs' layouts.
+BERT-base 128 x 128 (benchmarks/h200-2026-12-03-random) on a forward and backward that move ~300 MB by our count:
+about a fifth of what the GPU's memory could carry. Here one program holds a whole head: the forward computes the
+scores, the mask, the softmax, dropout and the product with the values, and writes the output in (batch, tokens,
+heads, dim) order, the order transformers hands on to the output projection; the backward recomputes the softmax and
+the dropout mask (no probabilities or mask are saved, only the seed) and writes the three gradients in their inputs'
+layouts.
 
 It has not paid yet: on an H200 its forward and backward of BERT-base's call took 0.79 ms against cuDNN's 0.60, and
 BERT's compiled step with its first version (a Philox draw per probability, 64 rows a program) 81 ms against 26, for
@@ -46,9 +47,12 @@ NAME = "short"  # the ``attention_backend`` that runs it
 
 @functools.cache
 def _kernels():
+    """The forward and backward kernels, wrapped for launching inside a `torch.library.triton_op`."""
+    from torch.library import wrap_triton
+
     from . import short_attention_kernels as k
 
-    return k.short_attention_forward, k.short_attention_backward
+    return wrap_triton(k.short_attention_forward), wrap_triton(k.short_attention_backward)
 
 
 def _drop_below(p: float) -> int:
@@ -78,8 +82,7 @@ def _forward_impl(query, key, value, mask, seed, scale, dropout_p, causal):
     block_n = _blocks(n)
     block_m = min(block_n, FORWARD_ROWS)
     forward, _ = _kernels()
-    grid = (triton_cdiv(n, block_m), b * h)
-    _launch(forward)[grid](
+    forward[(-(-n // block_m), b * h)](
         query, key, value, m, out, seed if seed is not None else query, scale, dropout_p, _drop_below(dropout_p), h, n,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mstrides,
         out.stride(0), out.stride(2), out.stride(1),
@@ -97,7 +100,7 @@ def _backward_impl(grad_out, query, key, value, mask, seed, scale, dropout_p, ca
     m, mstrides, has_mask, mask_bool = _mask_args(mask, query)
     block_n = _blocks(n)
     _, backward = _kernels()
-    _launch(backward)[(1, b * h)](
+    backward[(1, b * h)](
         query, key, value, m, grad_out, dq, dk, dv, seed if seed is not None else query, scale, dropout_p,
         _drop_below(dropout_p), h, n,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *mstrides,
@@ -108,16 +111,6 @@ def _backward_impl(grad_out, query, key, value, mask, seed, scale, dropout_p, ca
         num_warps=BACKWARD_WARPS,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _launch(kernel):
-    from torch.library import wrap_triton
-
-    return wrap_triton(kernel)
 
 
 @functools.cache

@@ -60,23 +60,9 @@ def short_attention_forward(
     if DROPOUT:
         seed = tl.load(SEED)
     p, keep = scores(
-        q,
-        k,
-        mask_ptr,
-        rows,
-        cols,
-        n,
-        seed,
-        scale,
-        drop_below,
-        HAS_MASK,
-        MASK_BOOL,
-        CAUSAL,
-        DROPOUT,
-        IEEE,
-        BLOCK_M,
-        BLOCK_N,
-    )
+        q, k, mask_ptr, rows, cols, n, seed, scale, drop_below,
+        HAS_MASK, MASK_BOOL, CAUSAL, DROPOUT, IEEE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     if DROPOUT:
         p = tl.where(keep, p / (1.0 - p_drop), 0.0)
     if IEEE:
@@ -112,23 +98,9 @@ def short_attention_backward(
         do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + dims[None, :], mask=inside, other=0.0)
         mask_ptr = MASK + b * smb + h * smh + rows[:, None] * sms + cols[None, :]
         p, keep = scores(
-            q,
-            k,
-            mask_ptr,
-            rows,
-            cols,
-            n,
-            seed,
-            scale,
-            drop_below,
-            HAS_MASK,
-            MASK_BOOL,
-            CAUSAL,
-            DROPOUT,
-            IEEE,
-            BLOCK_M,
-            BLOCK_N,
-        )
+            q, k, mask_ptr, rows, cols, n, seed, scale, drop_below,
+            HAS_MASK, MASK_BOOL, CAUSAL, DROPOUT, IEEE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         if IEEE:
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         else:
