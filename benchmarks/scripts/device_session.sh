@@ -6,7 +6,8 @@
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
 # test) | pytest:<test>[,<test>...] (those GPU tests alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with
-# HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
+# HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | rowkernel
+# (benchmarks/scripts/row_kernel.py; RK_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
 # (benchmarks/scripts/attention_in_step.py) | cupti
 # (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row;
 # HP_FLAGS: more recipes/finetune.py flags) |
@@ -84,6 +85,10 @@ for step in "$@"; do
       timeout -k 10 $(left) python3 benchmarks/scripts/loss_chunk.py --out $OUT/loss_chunk.json \
         ${LC_VARIANTS:+--variants "$LC_VARIANTS"} > $OUT/loss_chunk.log 2>&1
       echo "losschunk rc $?"; cut -c1-200 $OUT/loss_chunk.log | grep -v "^\[" | tail -60;;
+    rowkernel)  # benchmarks/scripts/row_kernel.py (RK_VARIANTS: its --variants)
+      timeout -k 10 $(left) python3 benchmarks/scripts/row_kernel.py --out $OUT/row_kernel.json \
+        ${RK_VARIANTS:+--variants "$RK_VARIANTS"} > $OUT/row_kernel.log 2>&1
+      echo "rowkernel rc $?"; cut -c1-220 $OUT/row_kernel.log | tail -30;;
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
       envs=(); args=()
