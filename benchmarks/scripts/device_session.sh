@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
-# steps: setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
+# steps: smi (the GPU's clocks, power and throttle reasons sampled every 200 ms from here on, into $OUT/smi.csv) |
+# setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
 # to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
@@ -36,6 +37,7 @@ left() { echo $((DEADLINE - SECONDS)); }
 [ -d /tmp/site/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .deps/whl/*.whl
 export PYTHONPATH=/tmp/site
 pack() {
+  [ -z "$SMI_PID" ] || kill $SMI_PID 2> /dev/null
   tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null
   # the variants' outputs and logs in one file: a call's output comes back only up to a count of files
   if ls $OUT/variant-*.out > /dev/null 2>&1; then
@@ -59,6 +61,12 @@ for step in "$@"; do
         tail -4 $OUT/apex.log
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader;;
+    smi)  # the GPU sampled every 200 ms until the call ends, into $OUT/smi.csv: clocks, power, temperature, why clocks drop
+      q=clocks_event_reasons.active
+      nvidia-smi --query-gpu=$q --format=csv > /dev/null 2>&1 || q=clocks_throttle_reasons.active
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$q \
+        --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
+      SMI_PID=$!; echo "sampling the GPU into smi.csv";;
     apexpack)  # the installed apex (package, dist-info, build record, the extensions hf_apex loads) for .deps/apex-prebuilt
       site=$(cd / && python3 -c "import apex, pathlib; print(pathlib.Path(apex.__file__).parents[1])")
       files=$(cd $site && ls -d apex apex-*.dist-info amp_C*.so fused_layer_norm_cuda*.so apex_C*.so 2> /dev/null)
