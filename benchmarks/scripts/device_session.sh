@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
-# steps: smi (the GPU's clocks, power and throttle reasons sampled every 200 ms from here on, into $OUT/smi.csv) |
+# steps: smi (the GPU's clocks, power and throttle reasons sampled every 200 ms from here on, into smi.csv in bench.tgz) |
 # setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
@@ -38,6 +38,7 @@ left() { echo $((DEADLINE - SECONDS)); }
 export PYTHONPATH=/tmp/site
 pack() {
   [ -z "$SMI_PID" ] || kill $SMI_PID 2> /dev/null
+  [ -f $OUT/smi.csv ] && mkdir -p .bench && mv $OUT/smi.csv .bench/smi.csv  # (in bench.tgz: files come back up to a count)
   tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null
   # the variants' outputs and logs in one file: a call's output comes back only up to a count of files
   if ls $OUT/variant-*.out > /dev/null 2>&1; then
@@ -62,10 +63,12 @@ for step in "$@"; do
       fi
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader;;
     smi)  # the GPU sampled every 200 ms until the call ends, into $OUT/smi.csv: clocks, power, temperature, why clocks drop
+      [ -z "$SMI_PID" ] || kill $SMI_PID 2> /dev/null  # (a second smi step starts over)
       q=clocks_event_reasons.active
       nvidia-smi --query-gpu=$q --format=csv > /dev/null 2>&1 || q=clocks_throttle_reasons.active
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$q \
-        --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
+      # (nvidia-smi's timestamps are the machine's local time: date's offset is the first line)
+      { date +"# local time offset %z"; exec nvidia-smi --format=csv -lms 200 \
+        --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,$q; } > $OUT/smi.csv 2>&1 &
       SMI_PID=$!; echo "sampling the GPU into smi.csv";;
     apexpack)  # the installed apex (package, dist-info, build record, the extensions hf_apex loads) for .deps/apex-prebuilt
       site=$(cd / && python3 -c "import apex, pathlib; print(pathlib.Path(apex.__file__).parents[1])")

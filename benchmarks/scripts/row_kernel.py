@@ -1,6 +1,7 @@
 """The loss's row kernel alone, against ways of writing it that read HBM less: where its 0.4 ms per chunk goes.
 
-usage: python benchmarks/scripts/row_kernel.py [--out FILE.json] [--rows 4096] [--vocab 50257] [--reps 50]
+usage: python benchmarks/scripts/row_kernel.py [--out FILE.json] [--rows 4096] [--vocab 50257] [--rounds 10]
+       [--calls 20]
        (needs a CUDA GPU; the shape is one of GPT-2's four chunks at the bench's 16 x 1024 tokens)
 
 hf_apex's kernel (`hf_apex.kernels.loss._rows_kernel`) runs one program per row of a chunk's BF16 logits: a first
@@ -8,7 +9,7 @@ pass over the row for its log-sum-exp (an online max and sum, both reduced acros
 second pass that reads the row again and writes the gradient over it. At 4,096 rows of 50,304 columns a chunk is
 412 MB; if the second pass misses L2, the kernel moves 1.24 GB. The variants here:
 
-- `hf_apex`: the kernel as hf_apex runs it (its BLOCK and warps, or `hf_apex@block=8192,warps=16`);
+- `hf_apex`: the kernel as hf_apex runs it (its ROW_BLOCK and ROW_WARPS, or e.g. `hf_apex@block=8192,warps=16`);
 - `lanes`: each lane keeps its own running sum, rescaled by the program's max at each load (one reduction across
   the program per load instead of two; the sum is reduced once at the end);
 - `lanes@programs=K`: the same, with K programs per SM, each taking rows in turn (row = program, program + grid, ...),
@@ -16,9 +17,11 @@ second pass that reads the row again and writes the gradient over it. At 4,096 r
 - `evict`: like `lanes`, the first pass asking L2 to keep the row (`evict_last`), the second to drop it.
 
 Each variant's losses and gradient are checked against torch's FP32 cross-entropy on the same logits (the gradient
-to BF16's rounding), then timed with CUDA events over `--reps` calls (the kernel writes over its input, so later
-calls read gradients, not logits: the same bytes and the same exps). On an H200 (benchmarks/h200-2026-12-03-bench)
-2,048 columns a load and 4 warps took 0.411 ms against 0.430 at 4,096 and 8; every rewrite here was slower.
+to BF16's rounding (the script exits non-zero if one is off), then timed: `--rounds` rounds over the variants in
+turn, each `--calls` calls back to back between two CUDA events (the kernel writes over its input, so later calls
+read gradients, not logits: the same bytes and the same exps). On an H200 (benchmarks/h200-2026-12-03-bench, an
+earlier harness that timed single synchronised calls, launch included) 2,048 columns a load and 4 warps took 0.411
+ms against 0.430 at 4,096 and 8; the rewrites, at 4,096 and 8, were all slower.
 """
 
 import argparse
@@ -87,6 +90,7 @@ def rows_lanes(
 
 
 def run_hf_apex(logits, targets, vocab, settings):
+    """hf_apex's own kernel, one program per row."""
     losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     L._rows_kernel()[(logits.shape[0],)](
         logits,
@@ -97,17 +101,17 @@ def run_hf_apex(logits, targets, vocab, settings):
         logits.shape[1],
         -100,
         GRAD=True,
-        BLOCK=int(settings.get("block", L.ROW_BLOCK)),
-        num_warps=int(settings.get("warps", L.ROW_WARPS)),
+        BLOCK=settings["block"],
+        num_warps=settings["warps"],
     )
     return losses
 
 
 def run_lanes(logits, targets, vocab, settings, evict=False):
+    """``rows_lanes``: with ``programs``, that many programs per SM take the rows in turn."""
     losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    programs = int(settings.get("programs", 0))
-    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-    grid = min(logits.shape[0], programs * sms) if programs else logits.shape[0]
+    programs = settings["programs"]
+    grid = min(logits.shape[0], programs * settings["sms"]) if programs else logits.shape[0]
     rows_lanes[(grid,)](
         logits,
         logits.stride(0),
@@ -117,10 +121,10 @@ def run_lanes(logits, targets, vocab, settings, evict=False):
         vocab,
         logits.shape[1],
         -100,
-        BLOCK=int(settings.get("block", L.ROW_BLOCK)),
+        BLOCK=settings["block"],
         PERSISTENT=bool(programs),
         EVICT=evict,
-        num_warps=int(settings.get("warps", L.ROW_WARPS)),
+        num_warps=settings["warps"],
     )
     return losses
 
@@ -128,17 +132,20 @@ def run_lanes(logits, targets, vocab, settings, evict=False):
 KINDS = {"hf_apex": run_hf_apex, "lanes": run_lanes, "evict": lambda *a: run_lanes(*a, evict=True)}
 
 
-def parse(variant):
+def parse(variant: str) -> tuple[str, dict]:
+    """``kind@key=value,...`` -> (kind, every setting the kernel runs with: hf_apex's defaults where not given)."""
     kind, _, rest = variant.partition("@")
-    settings = dict(kv.split("=") for kv in rest.split(",") if kv)
-    return kind, settings
+    given = {k: int(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return kind, {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS, "programs": 0, "sms": sms} | given
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=10, help="rounds over the variants in turn")
+    p.add_argument("--calls", type=int, default=20, help="calls back to back per variant and round")
     p.add_argument("--out")
     p.add_argument(
         "--variants",
@@ -157,43 +164,53 @@ def main():
     ref_grad = torch.softmax(ref_x, -1) - torch.nn.functional.one_hot(targets.clamp(min=0), o.vocab)
     ref_grad = (ref_grad * (targets != -100)[:, None]).to(torch.bfloat16)
     gbytes = base.numel() * base.element_size() / 1e9
-    results = []
+    variants, results, failed = [], {}, False
     for variant in filter(None, o.variants.split(";")):
         kind, settings = parse(variant)
-        run = KINDS[kind]
         x = base.clone()
         try:
-            losses = run(x, targets, o.vocab, settings)
+            losses = KINDS[kind](x, targets, o.vocab, settings)
             torch.cuda.synchronize()
         except Exception as e:  # a setting Triton cannot compile (registers, shared memory): say so, go on
             print(f"{variant:45s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            results.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:500]})
+            results[variant] = {"variant": variant, "settings": settings, "error": f"{type(e).__name__}: {e}"[:500]}
             continue
         loss_err = (losses - ref_loss).abs().max().item()
         grad_err = (x[:, : o.vocab].float() - ref_grad.float()).abs().max().item()
         pad_zero = bool((x[:, o.vocab :] == 0).all())
-        times = []
-        for _ in range(o.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(x, targets, o.vocab, settings)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = statistics.median(times)
-        row = {
+        # FP32 sums in another order; the gradient to one or two BF16 roundings of values below 1
+        ok = loss_err < 1e-4 and grad_err < 1e-3 and pad_zero
+        failed |= not ok
+        results[variant] = {
             "variant": variant,
-            "ms": round(ms, 4),
-            "min_ms": round(min(times), 4),
-            "tbps_one_read_one_write": round(2 * gbytes / ms, 2),  # GB per ms: TB/s
+            "settings": settings,
+            "ok": ok,
             "loss_max_abs_err": loss_err,
             "grad_max_abs_err": grad_err,
             "padding_zero": pad_zero,
+            "times": [],
         }
-        results.append(row)
+        variants.append((variant, kind, settings, x))
+    # Rounds over the variants in turn (a slower stretch of the GPU falls on all of them), each time `--calls` calls
+    # back to back between two events: the GPU queue stays full, so the host's launch time stays out of the figure.
+    for _ in range(o.rounds):
+        for variant, kind, settings, x in variants:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(o.calls):
+                KINDS[kind](x, targets, o.vocab, settings)
+            end.record()
+            end.synchronize()
+            results[variant]["times"].append(start.elapsed_time(end) / o.calls)
+    for variant, *_ in variants:
+        row = results[variant]
+        times = row.pop("times")
+        ms = statistics.median(times)
+        row.update(ms=round(ms, 4), min_ms=round(min(times), 4), tbps_one_read_one_write=round(2 * gbytes / ms, 2))
         print(
             f"{variant:45s} {ms:7.4f} ms (min {min(times):.4f})  {row['tbps_one_read_one_write']:5.2f} TB/s at "
-            f"2 x {gbytes:.2f} GB  loss err {loss_err:.1e}  grad err {grad_err:.1e}  padding 0: {pad_zero}",
+            f"2 x {gbytes:.2f} GB  loss err {row['loss_max_abs_err']:.1e}  grad err {row['grad_max_abs_err']:.1e}  "
+            f"padding 0: {row['padding_zero']}{'' if row['ok'] else '  WRONG'}",
             flush=True,
         )
     meta = {
@@ -203,11 +220,15 @@ def main():
         "rows": o.rows,
         "cols": cols,
         "vocab": o.vocab,
-        "reps": o.reps,
+        "rounds": o.rounds,
+        "calls": o.calls,
+        "hf_apex_defaults": {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS},
     }
     if o.out:
         with open(o.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"meta": meta, "results": list(results.values())}, f, indent=1)
+    if failed:
+        sys.exit("row_kernel: a variant's loss or gradient is off (marked WRONG above)")
 
 
 if __name__ == "__main__":

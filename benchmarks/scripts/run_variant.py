@@ -35,8 +35,8 @@ with log.open("w") as f:
     rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
 wall = time.time() - t0
 m = out / "hf_apex_metrics.json"
-# start and end in UTC seconds: with steps_ms (the last steps end at the end), samples of the GPU taken meanwhile
-# (device_session.sh smi) line up with the steps
+# when the process started and ended (UTC seconds since the epoch; it ends after its evaluation and metrics, 1-2 s
+# after its last step): roughly where samples of the GPU taken meanwhile (device_session.sh smi) fall among its steps
 row = {"name": name, "nproc": nproc, "stage": stage, "rc": rc, "wall_s": round(wall), "wrapper": wrapper or None}
 row.update(started=round(t0, 2), ended=round(t0 + wall, 2))
 row.update(flags=extra, torch_config=os.environ.get("TORCH_CONFIG"))  # (benchmarks/scripts/with_config.py)

@@ -39,7 +39,8 @@ _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "ou
 
 
 # The row kernel's columns per load and warps per row. On an H200 a chunk of 4,096 x 50,304 BF16 logits took 0.411 ms
-# with 2,048 and 4 against 0.430 with 4,096 and 8 and 0.499 with 8,192 and 16 (benchmarks/h200-2026-12-03-bench).
+# with 2,048 and 4 against 0.430 with 4,096 and 8 and 0.499 with 8,192 and 16: the kernel alone, launch included
+# (benchmarks/scripts/row_kernel.py; benchmarks/h200-2026-12-03-bench), not yet timed in a training step.
 ROW_BLOCK, ROW_WARPS = 2048, 4
 
 
