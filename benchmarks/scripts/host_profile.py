@@ -4,9 +4,10 @@
 
 Runs `recipes/finetune.py` with the given flags and profiles optimizer steps A..B-1 twice: once with
 torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the device's
-busy time against the wall time, and the kernels by device time), once with cProfile (host time per Trainer phase:
-data, forward+backward, clipping, optimizer, scheduler, callbacks, logging). Prints both; `--pstats` also saves the
-cProfile statistics (pstats format: to compare two runs function by function). `--plain`
+busy time against the wall time, the kernels by device time and by kind: matmuls, attention, norms...), once with
+cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks, logging).
+Prints both; `--pstats` also saves the cProfile statistics (pstats format: to compare two runs function by
+function). `--plain`
 profiles recipes/plain_loop.py's steps instead (the same training without the Trainer). Used to find the Trainer's
 own host cost on a host-bound step, and where a device-bound step spends its time.
 """
@@ -29,6 +30,18 @@ import finetune  # noqa: E402
 
 PSTATS: str | None = None  # --pstats: where to save the cProfile statistics
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+# Kinds of device work, by patterns of the kernels' names (lower case), tried in this order.
+BUDGET = (
+    ("matmuls (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitkreduce")),
+    ("attention (SDPA)", ("sdpa", "fmha", "flash", "cudnn", "attention")),
+    ("loss row kernel", ("softmax_xent",)),
+    ("optimizer and clipping", ("multi_tensor_apply", "adam", "foreach")),
+    ("norms (and what Inductor fused into them)", ("layer_norm", "rms_norm", "cuapplylayernorm", "cuapplyrmsnorm")),
+    ("dropout (torch's kernels)", ("fused_dropout",)),
+    ("other Triton kernels (Inductor)", ("triton_",)),
+    ("other ATen kernels", ("at::native",)),
+    ("copies and fills", ("memcpy", "memset")),
+)
 PHASES = {  # function name (as cProfile records it) -> phase
     "get_batch_samples": "data (next batch, to device)",
     "training_step": "forward + backward",
@@ -102,11 +115,27 @@ class Profile(TrainerCallback):
                 sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
             )
         )
+        self.report_budget(n)
         self.report_aten_kernels(n)
 
+    def report_budget(self, n: int):
+        """The device time of the step's kernels by kind (the first pattern a kernel's name matches, in this order:
+        a Triton kernel that Inductor fused around a norm counts as the norm's)."""
+        spent, calls = Counter(), Counter()
+        for e in self.torch_prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kind = next((k for k, pats in BUDGET if any(p in e.name.lower() for p in pats)), "other")
+                spent[kind] += e.time_range.elapsed_us()
+                calls[kind] += 1
+        total = sum(spent.values())
+        print(f"\n== device time by kind, per optimizer step (mean of {n}) ==")
+        for kind, us in spent.most_common():
+            print(f"  {kind:44s} {us / (1e3 * n):7.3f} ms  {100 * us / total:5.1f} %  {calls[kind] / n:6.1f} kernels")
+
     def report_aten_kernels(self, n: int):
-        """torch's own (ATen) kernels launched outside the compiled graphs and CUDA graphs, by the op that launched
-        them and that op's callers: what the step runs eagerly besides the graphs."""
+        """torch's own (ATen) kernels, by the op that launched them and that op's callers. A kernel replayed in a CUDA
+        graph counts under the call that replays the graph (``## Call CompiledFxGraph ...``): its own code, as
+        captured, launched it."""
         launched, device_us = Counter(), Counter()
         for event in self.torch_prof.events():
             for kernel in getattr(event, "kernels", []):
@@ -119,7 +148,7 @@ class Profile(TrainerCallback):
                 key = (kernel.name.split("<")[0].replace("void at::native::", "")[:40], " < ".join(callers)[:150])
                 launched[key] += 1
                 device_us[key] += kernel.duration
-        print(f"\n== ATen kernels launched outside the graphs, per optimizer step (mean of {n}), by caller ==")
+        print(f"\n== ATen kernels, per optimizer step (mean of {n}), by caller (CUDA graphs: the replaying call) ==")
         for (kernel, callers), count in launched.most_common(15):
             print(f"  {count / n:6.1f} x {kernel:40s} {device_us[kernel, callers] / (1e3 * n):7.3f} ms  {callers}")
 
