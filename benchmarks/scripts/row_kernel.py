@@ -9,7 +9,7 @@ pass over the row for its log-sum-exp (an online max and sum, both reduced acros
 second pass that reads the row again and writes the gradient over it. At 4,096 rows of 50,304 columns a chunk is
 412 MB; if the second pass misses L2, the kernel moves 1.24 GB. The variants here:
 
-- `hf_apex`: the kernel as hf_apex runs it (its ROW_BLOCK and ROW_WARPS, or e.g. `hf_apex@block=8192,warps=16`);
+- `hf_apex`: hf_apex's op, as its loss calls it (its ROW_BLOCK and ROW_WARPS, or e.g. `hf_apex@block=8192,warps=16`);
 - `lanes`: each lane keeps its own running sum, rescaled by the program's max at each load (one reduction across
   the program per load instead of two; the sum is reduced once at the end);
 - `lanes@programs=K`: the same, with K programs per SM, each taking rows in turn (row = program, program + grid, ...),
@@ -35,6 +35,8 @@ import triton.language as tl
 
 sys.path.insert(0, ".")
 from hf_apex.kernels import loss as L  # noqa: E402
+
+DEFAULTS = {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS}  # hf_apex's, before a variant sets its own
 
 
 @triton.jit
@@ -90,21 +92,9 @@ def rows_lanes(
 
 
 def run_hf_apex(logits, targets, vocab, settings):
-    """hf_apex's own kernel, one program per row."""
-    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    L._rows_kernel()[(logits.shape[0],)](
-        logits,
-        logits.stride(0),
-        targets,
-        losses,
-        vocab,
-        logits.shape[1],
-        -100,
-        GRAD=True,
-        BLOCK=settings["block"],
-        num_warps=settings["warps"],
-    )
-    return losses
+    """hf_apex's own op (the path its loss takes), at the variant's settings."""
+    L.ROW_BLOCK, L.ROW_WARPS = settings["block"], settings["warps"]  # (read by the op at each call)
+    return L._rows_op()(logits, targets, vocab, -100, True)
 
 
 def run_lanes(logits, targets, vocab, settings, evict=False):
@@ -137,7 +127,7 @@ def parse(variant: str) -> tuple[str, dict]:
     kind, _, rest = variant.partition("@")
     given = {k: int(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return kind, {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS, "programs": 0, "sms": sms} | given
+    return kind, DEFAULTS | {"programs": 0, "sms": sms} | given
 
 
 def main():
@@ -223,7 +213,7 @@ def main():
         "vocab": o.vocab,
         "rounds": o.rounds,
         "calls": o.calls,
-        "hf_apex_defaults": {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS},
+        "hf_apex_defaults": DEFAULTS,
     }
     if o.out:
         with open(o.out, "w") as f:
