@@ -121,11 +121,11 @@ def interpreted_row_kernel(monkeypatch):
     fused._rows_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("chunk_elements", [fused.CHUNK_ELEMENTS, 5 * 128])
+@pytest.mark.parametrize("chunk_elements", [fused.ROW_CHUNK_ELEMENTS, 5 * 128])
 def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_elements, monkeypatch):
     """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
     the logits: the stock maths, with the padding columns and the ignored positions out of it."""
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(fused, "ROW_CHUNK_ELEMENTS", chunk_elements)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
     got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 3.0)
     ref = loss_and_grads(reference, hidden, weight, labels, 3.0)
@@ -144,7 +144,7 @@ def test_the_row_kernel_without_gradients_leaves_the_logits_as_they_were(interpr
     logits = torch.randn(6, 128).to(torch.bfloat16)
     targets = torch.tensor([0, 99, -100, 5, 50, 7])
     kept = logits.clone()
-    losses = fused._rows_op()(logits, targets, 100, -100, False)
+    losses = fused._rows_op()(logits, targets, torch.tensor(0.5), 100, -100, False)
     assert torch.equal(logits, kept)
     ref = torch.nn.functional.cross_entropy(logits[:, :100].float(), targets, reduction="none")
     torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5)  # 0 where the target is ignored
@@ -152,10 +152,10 @@ def test_the_row_kernel_without_gradients_leaves_the_logits_as_they_were(interpr
 
 @torch.library.custom_op("hf_apex_test::softmax_xent_rows_", mutates_args={"logits"})
 def rows_in_torch(
-    logits: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, vocab: int, ignore_index: int, grad: bool
 ) -> torch.Tensor:
     """The row kernel's contract in torch's ops, an op as opaque to the compiler as the kernel's: the rows' losses,
-    and with ``grad`` their gradient written over the logits."""
+    and with ``grad`` their gradient times ``scale`` written over the logits."""
     x = logits.float().masked_fill(torch.arange(logits.shape[1]) >= vocab, float("-inf"))
     lse = x.logsumexp(-1)
     counted = targets != ignore_index
@@ -163,12 +163,12 @@ def rows_in_torch(
     if grad:
         g = (x - lse[:, None]).exp()
         g[torch.arange(len(target)), target] -= 1
-        logits.copy_(g * counted[:, None])
+        logits.copy_(g * counted[:, None] * scale)
     return torch.where(counted, lse - x.gather(1, target[:, None]).squeeze(1), 0.0)
 
 
 @rows_in_torch.register_fake
-def _(logits, targets, vocab, ignore_index, grad):
+def _(logits, targets, scale, vocab, ignore_index, grad):
     return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
@@ -178,7 +178,7 @@ def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch
     here is the kernel's contract in torch's ops (Triton's interpreter cannot run under the compiler's fake
     tensors); tests/gpu/test_loss_gpu.py checks the same with the kernel on a GPU."""
     monkeypatch.setattr(fused, "_row_op", lambda hidden: rows_in_torch)
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 5 * 128)  # several chunks
+    monkeypatch.setattr(fused, "ROW_CHUNK_ELEMENTS", 5 * 128)  # several chunks
     hidden, weight, labels = inputs(vocab=100)
     explained = torch._dynamo.explain(fused.causal_lm_loss)(hidden, weight, labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

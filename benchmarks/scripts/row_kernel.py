@@ -94,7 +94,7 @@ def rows_lanes(
 def run_hf_apex(logits, targets, vocab, settings):
     """hf_apex's own op (the path its loss takes), at the variant's settings."""
     L.ROW_BLOCK, L.ROW_WARPS = settings["block"], settings["warps"]  # (read by the op at each call)
-    return L._rows_op()(logits, targets, vocab, -100, True)
+    return L._rows_op()(logits, targets, torch.ones((), device=logits.device), vocab, -100, True)  # (scale 1)
 
 
 def run_lanes(logits, targets, vocab, settings, evict=False):

@@ -31,7 +31,15 @@ from torch import nn
 from .availability import has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
-CHUNK_ELEMENTS = 2**27  # logits per chunk at most (FP32: 512 MiB; twice that under the row kernel): 1, 2, 4... chunks
+CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
+# Under the row kernel, which holds a chunk's logits in the matmul's dtype only and writes their gradient in their
+# place: 2 GiB of BF16 logits, GPT-2's 16 x 1024 positions in one chunk. (Chunks cost more than they save on time: each
+# sums the head's gradient into an FP32 buffer, and the matmuls take smaller tiles; on an H200 GPT-2's loss took 7.55
+# ms in 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows.)
+ROW_CHUNK_ELEMENTS = 2**30
+# The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast.
+FP32_HEAD_GRAD = True
+_HAS_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=) (torch >= 2.8)
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 # Config attributes that put something between the head and the softmax in some families.
@@ -48,15 +56,16 @@ ROW_BLOCK, ROW_WARPS = 2048, 4
 def _rows_kernel():
     """The Triton kernel of one program per row of a chunk's logits: the FP32 log-sum-exp over the first ``vocab``
     columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
-    ``softmax - one_hot(target)`` (zero in the padding columns and in rows whose target is ``ignore_index``) written
-    over the logits in their dtype (a second read and one write). torch's ops, even fused by Inductor, hold FP32
-    logits or read them a third time."""
+    ``(softmax - one_hot(target)) * scale`` (``scale``: a one-element FP32 tensor, the loss's 1 / divisor; zero in
+    the padding columns and in rows whose target is ``ignore_index``) written over the logits in their dtype (a
+    second read and one write), rounded once, as the stock loss's FP32 gradient is rounded to the logits' dtype.
+    torch's ops, even fused by Inductor, hold FP32 logits or read them a third time."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def softmax_xent_rows(
-        logits, row_stride, targets, losses, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
+        logits, row_stride, targets, losses, scale, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = logits + tl.program_id(0).to(tl.int64) * row_stride
         target = tl.load(targets + tl.program_id(0))
@@ -74,11 +83,12 @@ def _rows_kernel():
         picked = tl.load(row + target).to(tl.float32)
         tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
         if GRAD:
+            s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
             for start in range(0, cols, BLOCK):
                 c = start + offsets
                 x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
-                g = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
-                g = tl.where(counted, g, 0.0).to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
+                g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
+                g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
                 tl.store(row + c, g, mask=c < cols)
 
     return softmax_xent_rows
@@ -86,13 +96,13 @@ def _rows_kernel():
 
 @functools.cache
 def _rows_op():
-    """``hf_apex::softmax_xent_rows_(logits, targets, vocab, ignore_index, grad) -> losses``: the row kernel as a
-    `torch.library.triton_op`, which Inductor compiles into the graph around it."""
+    """``hf_apex::softmax_xent_rows_(logits, targets, scale, vocab, ignore_index, grad) -> losses``: the row kernel
+    as a `torch.library.triton_op`, which Inductor compiles into the graph around it."""
     from torch.library import triton_op, wrap_triton
 
     @triton_op("hf_apex::softmax_xent_rows_", mutates_args={"logits"})
     def softmax_xent_rows_(
-        logits: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, grad: bool
+        logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, vocab: int, ignore_index: int, grad: bool
     ) -> torch.Tensor:
         assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -101,6 +111,7 @@ def _rows_op():
             logits.stride(0),
             targets,
             losses,
+            scale,
             vocab,
             logits.shape[1],
             ignore_index,
@@ -153,34 +164,36 @@ class LinearCrossEntropy(torch.autograd.Function):
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
         rows = _row_op(h)
         # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph.
-        # The row kernel holds a chunk's logits in the matmul's dtype only, half of FP32's bytes: twice the logits.
-        # (On an H200, GPT-2's loss in 4 chunks took 7.55 ms against 8.13 in 8; benchmarks/h200-2026-12-03-rows.)
-        budget = CHUNK_ELEMENTS * (2 if rows is not None else 1)
+        budget = ROW_CHUNK_ELEMENTS if rows is not None else CHUNK_ELEMENTS
         chunks = 1
         while chunks * budget < h.shape[0] * w.shape[0]:
             chunks *= 2
-        grad_h = [] if grad_hidden else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if grad_weight else None
+        grads = grad_hidden or grad_weight
+        # d loss / d (summed loss), as the stock loss's division gives it: the chunks' gradients come out scaled
+        if torch.is_tensor(divisor):
+            divisor = divisor.to(h.device, torch.float32)
+            scale = 1.0 / divisor
+        else:
+            scale = torch.full((), 1.0 / divisor, dtype=torch.float32, device=h.device)
+        grad_h, grad_w = [], None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         cols = torch.arange(w.shape[0], device=h.device) if torch.compiler.is_compiling() else None
         for hc, yc in zip(h.tensor_split(chunks), targets.tensor_split(chunks)):
             if rows is not None:  # one kernel reads the chunk's logits twice and leaves their gradient in their place
                 g = hc @ w.T
-                loss = rows(g, yc, vocab, ignore_index, grad_hidden or grad_weight).sum()
+                loss = rows(g, yc, scale, vocab, ignore_index, grads).sum()
             else:
-                loss, g = _chunk_in_torch(hc, w, yc, vocab, ignore_index, cols, grad_hidden or grad_weight)
+                loss, g = _chunk_in_torch(hc, w, yc, scale, vocab, ignore_index, cols, grads)
             total += loss
-            if not (grad_hidden or grad_weight):
-                continue
             if grad_hidden:
-                grad_h.append((g @ w).float())
+                grad_h.append(g @ w)  # in the matmul's dtype, as the stock head's backward gives it
             if grad_weight:
-                grad_w += (g.T @ hc).float()
-        divisor = divisor.to(total.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
-        if grad_hidden or grad_weight:
+                part = _matmul_fp32(g.T, hc)
+                grad_w = part if grad_w is None else grad_w.add_(part)
+        if grads:
             ctx.save_for_backward(
-                torch.cat(grad_h).div_(divisor) if grad_hidden else None,
-                grad_w[:vocab].div_(divisor) if grad_weight else None,
+                (grad_h[0] if chunks == 1 else torch.cat(grad_h)) if grad_hidden else None,
+                grad_w[:vocab] if grad_weight else None,
             )
             ctx.dtypes = hidden.dtype, weight.dtype
         return total / divisor
@@ -190,15 +203,27 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh, dw = ctx.dtypes
         return (
-            (grad_h * grad_loss).to(dh) if grad_h is not None else None,
+            (grad_h.float() * grad_loss).to(dh) if grad_h is not None else None,
             (grad_w * grad_loss).to(dw) if grad_w is not None else None,
             *[None] * 6,
         )
 
 
-def _chunk_in_torch(hc, w, yc, vocab, ignore_index, cols, grad):
-    """One chunk's summed loss and, where ``grad``, its d loss / d logits in the matmul's dtype (else None), in torch
-    ops: where the row kernel does not run (a CPU, no Triton). ``cols``: the columns' indices under torch.compile."""
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in FP32. With BF16/FP16 operands on CUDA, cuBLAS writes its FP32 accumulator as it is
+    (``torch.mm(..., out_dtype=torch.float32)``), where a half-precision matmul would round the result to BF16 and a
+    cast would read it and write it again: the head's gradient is a single (vocabulary x d) matmul over all the
+    chunk's positions, so this is one write of the FP32 gradient instead of three passes. Elsewhere (a CPU, an older
+    torch) the half-precision matmul and a cast."""
+    if FP32_HEAD_GRAD and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def _chunk_in_torch(hc, w, yc, scale, vocab, ignore_index, cols, grad):
+    """One chunk's summed loss and, where ``grad``, its gradient (d summed loss / d logits, times ``scale``) in the
+    matmul's dtype (else None), in torch ops: where the row kernel does not run (a CPU, no Triton). ``cols``: the
+    columns' indices under torch.compile."""
     logits = (hc @ w.T).float()  # rounded to the matmul's dtype first, as the stock head's output is
     # the padding rows take no part in the softmax
     if cols is not None:
@@ -212,13 +237,13 @@ def _chunk_in_torch(hc, w, yc, vocab, ignore_index, cols, grad):
     loss = torch.where(valid, lse - picked, 0.0).sum()
     if not grad:
         return loss, None
-    # d loss / d logits = softmax - one_hot(target), where a target counts
+    # d summed loss / d logits = softmax - one_hot(target), where a target counts
     if cols is not None:  # compiled: one pointwise expression, which Inductor fuses into the softmax's kernel
         onehot = (cols == target[:, None]).to(torch.float32)
-        return loss, (((logits - lse[:, None]).exp() - onehot) * valid[:, None]).to(hc.dtype)
+        return loss, (((logits - lse[:, None]).exp() - onehot) * (valid[:, None] * scale)).to(hc.dtype)
     probs = logits.sub_(lse[:, None]).exp_()  # eager: in place, no second chunk-sized buffer
     probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
-    return loss, probs.mul_(valid[:, None]).to(hc.dtype)
+    return loss, probs.mul_(valid[:, None] * scale).to(hc.dtype)
 
 
 def causal_lm_loss(
