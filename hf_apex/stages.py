@@ -3,12 +3,13 @@
 ``STAGES`` is the single source of truth for the ``--stage`` choices, the benchmark order and the switches each
 stage sets: every field of a :class:`StageConfig` except ``name`` and ``summary`` is an
 :class:`~hf_apex.ApexTrainingArguments` field, and applying a stage sets each one to the row's value. The seed's
-four stages come first, each changing one field relative to the previous one; the rungs after them go beyond
-the seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and
-sin computed once per forward, dropout's masks drawn by torch's own kernels inside the compiled graph, linears that
-read one input run as one matmul outside causal LMs, pointwise results recomputed in the backward where the loss
-reads the logits, a loss that never holds the logits and the SDPA backend timed fastest on your GPU, and ``auto``,
-which times apex against torch on your GPU and replays the step's kernels as CUDA graphs).
+four stages come first, each changing one field relative to the previous one; the rungs after them go beyond the
+seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and sin
+computed once per forward, dropout's masks drawn by torch's own kernels inside the compiled graph, linears that read
+one input run as one matmul outside causal LMs, weight gradients written in FP32 by their matmuls, pointwise results
+recomputed in the backward where the loss reads the logits, a loss that never holds the logits and the SDPA backend
+timed fastest on your GPU, and ``auto``, which times apex against torch on your GPU and replays the step's kernels
+as CUDA graphs).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
 under autocast apex's fused norms compute in BF16 where torch's compute in FP32 (apex's own behaviour).
 """
@@ -58,6 +59,9 @@ class StageConfig:
             it slowed the Llama-architecture model's step. A default, as above.
         compile_combo_kernels: with `torch_compile` (Inductor), independent small kernels run as one (Inductor's
             `combo_kernels`); the same operations. A default, as above.
+        compile_fp32_weight_grads: with `torch_compile` (Inductor), under BF16/FP16 autocast on CUDA, the weights'
+            gradients are written in FP32 by their matmuls instead of a half-precision matmul and a cast
+            (`hf_apex.kernels.weight_grads`); the same sums, rounded once. A default, as above.
         attention_backend: the SDPA backend of the model's attention (`hf_apex.kernels.attention`): None for
             PyTorch's choice, a backend's name, or `"fastest"` (timed on the first batch). A default, as above.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
@@ -80,6 +84,7 @@ class StageConfig:
     compile_eager_random: bool | None = None
     compile_fuse_projections: str | None = None
     compile_combo_kernels: bool | None = None
+    compile_fp32_weight_grads: bool | None = None
     attention_backend: str | None = None
     tf32: bool = False
 
@@ -93,6 +98,7 @@ class StageConfig:
         "compile_eager_random",
         "compile_fuse_projections",
         "compile_combo_kernels",
+        "compile_fp32_weight_grads",
         "attention_backend",
     )
 
@@ -127,8 +133,9 @@ STAGES: dict[str, StageConfig] = {
         StageConfig(
             "fastest",
             "compiled with CUDA graphs, RoPE's cos/sin once per forward, torch's dropout kernels, projections "
-            "that share an input as one matmul (not in causal LMs) and pointwise results recomputed where the loss "
-            "reads the logits + a causal LM's loss without its logits + the fastest SDPA backend, timed on this GPU",
+            "that share an input as one matmul (not in causal LMs), weight gradients in FP32 from their matmuls and "
+            "pointwise results recomputed where the loss reads the logits + a causal LM's loss without its logits + "
+            "the fastest SDPA backend, timed on this GPU",
             **_TORCH_FUSED,
             **_INDUCTOR,
             # one replay per graph instead of a launch per kernel: on an H200 BERT-base 128x128's compiled step went
@@ -155,6 +162,10 @@ STAGES: dict[str, StageConfig] = {
             # 26.27; the Llama-architecture 124M's took 34.55 against 32.44, so not in a causal LM
             # (benchmarks/h200-2026-12-03-short)
             compile_fuse_projections="auto",
+            # weight gradients written in FP32 by their matmuls: on an H200 BERT-base 128x128's step took 24.62 ms
+            # against 24.83 (p20-p80 24.61-24.64 against 24.81-24.85); GPT-2's 35.30 against 35.24, level (one pair
+            # each on one machine, benchmarks/h200-2026-12-03-headgrad)
+            compile_fp32_weight_grads=True,
         ),
         StageConfig(
             "auto",

@@ -171,7 +171,10 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     - ``compile_fuse_projections`` (``"true"``, or ``"auto"`` for a model that is not a causal LM): linears that read
       one input run as one matmul (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where
       :func:`why_not_fuse_projections` has no objection.
-    - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``)."""
+    - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``).
+    - ``compile_fp32_weight_grads``: weight gradients written in FP32 by their matmuls
+      (:mod:`hf_apex.kernels.weight_grads`, Inductor's ``post_grad_custom_post_pass``), unless a pass of yours is
+      set there."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     settings, inductor = {}, {}
@@ -186,6 +189,13 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
     if args.compile_combo_kernels:
         inductor["combo_kernels"] = True
+    if args.compile_fp32_weight_grads and (args.torch_compile_backend or "inductor") == "inductor":
+        import torch._inductor.config
+
+        if torch._inductor.config.post_grad_custom_post_pass is None:
+            from .kernels.weight_grads import FP32_WEIGHT_GRADS
+
+            inductor["post_grad_custom_post_pass"] = FP32_WEIGHT_GRADS
     if inductor:
         settings["torch._inductor.config"] = inductor
     return settings
@@ -240,7 +250,7 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
             logger.info(
                 "hf_apex: this run compiles under other settings than the graphs an earlier run compiled in this "
                 "process (compile_recompute_pointwise, compile_eager_random, compile_fuse_projections, "
-                "compile_combo_kernels): torch's "
+                "compile_combo_kernels, compile_fp32_weight_grads): torch's "
                 "compiled graphs are dropped, to compile this run's own."
             )
         torch._dynamo.reset()
@@ -722,6 +732,14 @@ class ApexTrainer(Trainer):
             kernels["projections"] = f"not fused: {why_not_fuse_projections(self.args, self.model)}"
         if inductor.get("combo_kernels"):
             kernels["combo_kernels"] = "Inductor runs independent small kernels as one (compile_combo_kernels)"
+        if "post_grad_custom_post_pass" in inductor:
+            from .kernels.weight_grads import COUNTER
+
+            done = torch._dynamo.utils.counters["inductor"][COUNTER]
+            kernels["weight_gradients"] = (
+                f"written in FP32 by their matmuls: {done} in this process's compiled backwards "
+                "(compile_fp32_weight_grads)"
+            )
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

@@ -104,16 +104,16 @@ class ApexTrainingArguments(TrainingArguments):
             `torch_fused`, `compiled`, `fastest` and `auto`. A stage sets `optim`, `apex_optimizer`,
             `apex_fused_norms`, `autotune`, `torch_compile`, `torch_compile_mode`, `torch_compile_backend`,
             `fused_linear_cross_entropy`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`,
-            `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels`, `attention_backend`, `tf32`
-            and the AMP flags; setting any of them to something the stage contradicts raises `ValueError`
-            (`torch_compile_mode`, `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`,
-            `compile_rotary_once`, `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels` and
-            `attention_backend` excepted: the stage's value is a default, and a mode or
-            backend on a stage that does not compile is an error). `fastest` compiles with CUDA graphs
-            (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not measured
-            there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records them is then
-            a `ValueError`). `auto` replays its eager kernels as CUDA graphs (the `cudagraphs` backend, apex's norms
-            inside) in a single process on a GPU without gradient accumulation, and runs eager elsewhere. `None`
+            `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads`,
+            `attention_backend`, `tf32` and the AMP flags; setting any of them to something the stage contradicts
+            raises `ValueError` (`torch_compile_mode`, `torch_compile_backend`, `compile_min_steps`,
+            `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`, `compile_fuse_projections`,
+            `compile_combo_kernels`, `compile_fp32_weight_grads` and `attention_backend` excepted: the stage's value is
+            a default, and a mode or backend on a stage that does not compile is an error). `fastest` compiles with
+            CUDA graphs (`"reduce-overhead"`) in a single process and with torch's default mode under DDP or FSDP (not
+            measured there) or gradient accumulation (which CUDA graphs cannot do: a mode of yours that records them is
+            then a `ValueError`). `auto` replays its eager kernels as CUDA graphs (the `cudagraphs` backend, apex's
+            norms inside) in a single process on a GPU without gradient accumulation, and runs eager elsewhere. `None`
             leaves every switch to you.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of stages with mixed precision: `"bf16"`, or `"fp16"` (with a GradScaler).
@@ -195,6 +195,14 @@ class ApexTrainingArguments(TrainingArguments):
             training steps only). The same operations. On an H200 BERT-base 128 x 128's `fastest` step took 25.78 ms
             with it against 26.27 (`benchmarks/h200-2026-12-03-short`); not yet measured with the other models or
             with `compile_fuse_projections`, so no stage sets it. `None`: off.
+        compile_fp32_weight_grads (`bool` or `None`, *optional*, defaults to `None`):
+            With `torch_compile` (Inductor), under BF16/FP16 autocast on CUDA: each weight's gradient is written in
+            FP32 by its matmul (cuBLAS's accumulator as it is) instead of a half-precision matmul and a cast kernel
+            (`hf_apex.kernels.weight_grads`, an Inductor post-grad pass set for this trainer's training steps only;
+            one of yours keeps its place). The same sums, rounded once instead of twice. On an H200 BERT-base
+            128 x 128's `fastest` step took 24.62 ms with it against 24.83, GPT-2 124M's 35.30 against 35.24
+            (`benchmarks/h200-2026-12-03-headgrad`). The `fastest` stage sets `True`, which `False` of yours
+            overrides. `None`: off.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
             chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
@@ -261,10 +269,12 @@ class ApexTrainingArguments(TrainingArguments):
     > A stage sets each argument its `StageConfig` row names (`optim`, `apex_optimizer`, `apex_fused_norms`, `bf16`,
     > `torch_compile`, `torch_compile_mode`, `torch_compile_backend`, `autotune`, `fused_linear_cross_entropy`,
     > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
-    > `compile_fuse_projections`, `compile_combo_kernels`, `attention_backend`, `tf32=False`); a value you set that
+    > `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads`, `attention_backend`,
+    > `tf32=False`); a value you set that
     > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `torch_compile_backend`,
     > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
-    > `compile_fuse_projections`, `compile_combo_kernels` and `attention_backend`, whose stage values are defaults.
+    > `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads` and `attention_backend`, whose
+    > stage values are defaults.
     > A compile mode or backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
@@ -364,6 +374,14 @@ class ApexTrainingArguments(TrainingArguments):
             "(Inductor's combo_kernels; the same operations). None: off."
         },
     )
+    compile_fp32_weight_grads: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With torch_compile (Inductor), under BF16/FP16 autocast on CUDA: weight gradients written in "
+            "FP32 by their matmuls, without a cast kernel each (the same sums, rounded once). None: off. The "
+            "fastest stage sets True, which false of yours overrides."
+        },
+    )
     fused_linear_cross_entropy: bool = field(
         default=False,
         metadata={
@@ -450,7 +468,8 @@ class ApexTrainingArguments(TrainingArguments):
                 "but torch_compile is off: turn torch_compile on (or pick a stage that compiles: compiled, fastest, "
                 "auto), or drop it."
             )
-        for name in ("compile_rotary_once", "compile_eager_random", "compile_combo_kernels"):
+        compile_switches = ("compile_rotary_once", "compile_eager_random", "compile_combo_kernels")
+        for name in (*compile_switches, "compile_fp32_weight_grads"):
             if getattr(self, name) and not self.torch_compile:
                 raise ValueError(
                     f"{name}=True changes what torch.compile generates, but torch_compile is off: turn torch_compile "

@@ -449,6 +449,32 @@ def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path
     assert passes == {"bert": FUSE_SHARED_INPUT_LINEARS, "llama": None, "gpt2": None}
 
 
+def test_compile_fp32_weight_grads_sets_its_pass_for_the_training_steps_only(tmp_path):
+    """compile_fp32_weight_grads sets hf_apex's post-grad pass (hf_apex.kernels.weight_grads; what it rewrites:
+    tests/test_weight_grads.py) while the trainer's steps compile and run, not after, and the metrics JSON counts what
+    it rewrote."""
+    import torch._inductor.config as inductor
+
+    from hf_apex.kernels import weight_grads
+
+    seen = []
+
+    class Watching(ApexTrainer):
+        def compute_loss(self, *args, **kwargs):
+            seen.append(inductor.post_grad_custom_post_pass)
+            return super().compute_loss(*args, **kwargs)
+
+    torch._dynamo.reset()
+    args = train_args(tmp_path, max_steps=2, torch_compile=True, compile_fp32_weight_grads=True)
+    trainer = Watching(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+    trainer.train()
+    torch._dynamo.reset()
+    assert seen and all(p is weight_grads.FP32_WEIGHT_GRADS for p in seen)
+    assert inductor.post_grad_custom_post_pass is None  # (torch's default, outside the steps)
+    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
+    assert kernels["weight_gradients"].startswith("written in FP32 by their matmuls: 0 ")  # FP32 on a CPU: none
+
+
 def test_compile_combo_kernels_holds_for_the_training_steps_with_the_same_losses(tmp_path):
     """compile_combo_kernels sets Inductor's combo_kernels while the trainer's steps compile and run (and not after),
     the losses stay those of the run without it, and the metrics JSON says so."""

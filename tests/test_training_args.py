@@ -126,8 +126,9 @@ def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to
         make(stage="fastest", compile_recompute_pointwise="yes")
 
 
-# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels
-@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random"])
+# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels;
+# compile_fp32_weight_grads: weight gradients written in FP32 by their matmuls
+@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random", "compile_fp32_weight_grads"])
 def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
     assert getattr(make(stage="fastest"), switch) is True
     assert getattr(make(stage="fastest", **{switch: False}), switch) is False  # yours wins

@@ -135,6 +135,12 @@ def has_triton_ops() -> bool:
     return torch.cuda.is_available() and hasattr(torch.library, "triton_op") and has_triton()
 
 
+def has_mm_out_dtype() -> bool:
+    """torch has matmuls of BF16/FP16 operands that write FP32 (``torch.mm(a, b, out_dtype=torch.float32)``, the
+    ``aten::mm.dtype`` overload, torch >= 2.8; CUDA tensors only)."""
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
 def clear_caches() -> None:
     """Forget cached answers (tests, or after building apex in the same process)."""
     for fn in (is_apex_available, extension_error, install_error, has_triton_ops):

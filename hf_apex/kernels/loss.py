@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import nn
 
-from .availability import has_triton_ops
+from .availability import has_mm_out_dtype, has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
@@ -39,7 +39,7 @@ CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB
 ROW_CHUNK_ELEMENTS = 2**30
 # The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast.
 FP32_HEAD_GRAD = True
-_HAS_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=) (torch >= 2.8)
+_MM_OUT_DTYPE = has_mm_out_dtype()  # (read as a constant under torch.compile)
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 # Config attributes that put something between the head and the softmax in some families.
@@ -215,7 +215,7 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     cast would read it and write it again: the head's gradient is a single (vocabulary x d) matmul over all the
     chunk's positions, so this is one write of the FP32 gradient instead of three passes. Elsewhere (a CPU, an older
     torch) the half-precision matmul and a cast."""
-    if FP32_HEAD_GRAD and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_OUT_DTYPE:
+    if FP32_HEAD_GRAD and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
 
