@@ -33,11 +33,13 @@ from .availability import has_mm_out_dtype, has_triton_ops
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
 # Under the row kernel, which holds a chunk's logits in the matmul's dtype only and writes their gradient in their
-# place: 2 GiB of BF16 logits, GPT-2's 16 x 1024 positions in one chunk. (Chunks cost more than they save on time: each
-# sums the head's gradient into an FP32 buffer, and the matmuls take smaller tiles; on an H200 GPT-2's loss took 7.55
-# ms in 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows.)
+# place: 2 GiB of BF16 logits, GPT-2's 16 x 1024 positions in one chunk. Each chunk adds its part of the head's
+# gradient into an FP32 buffer, and smaller chunks make smaller matmuls (on an H200 GPT-2's loss alone took 7.55 ms in
+# 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows).
 ROW_CHUNK_ELEMENTS = 2**30
-# The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast.
+# The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast. With one
+# chunk and the gradients scaled in the row kernel, GPT-2's `fastest` step on an H200 took 35.59 ms on average against
+# 35.99 with 4 chunks of BF16 parts (one pair; the parts' shares not measured; benchmarks/h200-2026-12-03-headgrad).
 FP32_HEAD_GRAD = True
 _MM_OUT_DTYPE = has_mm_out_dtype()  # (read as a constant under torch.compile)
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
