@@ -7,7 +7,7 @@ four stages come first, each changing one field relative to the previous one; th
 seed (torch's own fused kernels, ``torch.compile``, ``fastest``, which adds CUDA graphs, a RoPE model's cos and sin
 computed once per forward, dropout's masks drawn by torch's own kernels inside the compiled graph, linears that read
 one input run as one matmul outside causal LMs, weight gradients written in FP32 by their matmuls, pointwise results
-recomputed in the backward where the loss reads the logits, a loss that never holds the logits and the SDPA backend
+recomputed in the backward where the loss reads the logits, a loss that never holds FP32 logits and the SDPA backend
 timed fastest on your GPU, and ``auto``, which times apex against torch on your GPU and replays the step's kernels
 as CUDA graphs).
 Every stage keeps the same hyper-parameters and the same maths; only the implementation changes, except that
@@ -164,7 +164,7 @@ STAGES: dict[str, StageConfig] = {
             compile_fuse_projections="auto",
             # weight gradients written in FP32 by their matmuls: on an H200 BERT-base 128x128's step took 24.62 ms
             # against 24.83 (p20-p80 24.61-24.64 against 24.81-24.85); GPT-2's 35.30 against 35.24, level (one pair
-            # each on one machine, benchmarks/h200-2026-12-03-headgrad)
+            # each on one machine, the pass run by its experiment script; benchmarks/h200-2026-12-03-headgrad)
             compile_fp32_weight_grads=True,
         ),
         StageConfig(

@@ -173,8 +173,8 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
       :func:`why_not_fuse_projections` has no objection.
     - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``).
     - ``compile_fp32_weight_grads``: weight gradients written in FP32 by their matmuls
-      (:mod:`hf_apex.kernels.weight_grads`, Inductor's ``post_grad_custom_post_pass``), unless a pass of yours is
-      set there."""
+      (:mod:`hf_apex.kernels.weight_grads`, Inductor's ``post_grad_custom_post_pass``), where
+      :func:`why_not_fp32_weight_grads` has no objection."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     settings, inductor = {}, {}
@@ -189,13 +189,10 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
     if args.compile_combo_kernels:
         inductor["combo_kernels"] = True
-    if args.compile_fp32_weight_grads and (args.torch_compile_backend or "inductor") == "inductor":
-        import torch._inductor.config
+    if args.compile_fp32_weight_grads and why_not_fp32_weight_grads(args) is None:
+        from .kernels.weight_grads import FP32_WEIGHT_GRADS
 
-        if torch._inductor.config.post_grad_custom_post_pass is None:
-            from .kernels.weight_grads import FP32_WEIGHT_GRADS
-
-            inductor["post_grad_custom_post_pass"] = FP32_WEIGHT_GRADS
+        inductor["post_grad_custom_post_pass"] = FP32_WEIGHT_GRADS
     if inductor:
         settings["torch._inductor.config"] = inductor
     return settings
@@ -218,6 +215,23 @@ def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
 
     if torch._inductor.config.pre_grad_custom_pass is not None:
         return "torch._inductor.config.pre_grad_custom_pass is set already (yours is kept)"
+    return None
+
+
+def why_not_fp32_weight_grads(args) -> str | None:
+    """Why ``compile_fp32_weight_grads`` cannot act in this run (None: it can): its pass is Inductor's, torch has no
+    matmul that writes FP32 from half-precision operands, or a post-grad pass of yours keeps its place."""
+    import torch._inductor.config
+
+    from .kernels.availability import has_mm_out_dtype
+
+    backend = args.torch_compile_backend or "inductor"
+    if backend != "inductor":
+        return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
+    if not has_mm_out_dtype():
+        return f"torch {torch.__version__} has no torch.mm(..., out_dtype=) (torch >= 2.8)"
+    if torch._inductor.config.post_grad_custom_post_pass is not None:
+        return "torch._inductor.config.post_grad_custom_post_pass is set already (yours is kept)"
     return None
 
 
@@ -733,13 +747,12 @@ class ApexTrainer(Trainer):
         if inductor.get("combo_kernels"):
             kernels["combo_kernels"] = "Inductor runs independent small kernels as one (compile_combo_kernels)"
         if "post_grad_custom_post_pass" in inductor:
-            from .kernels.weight_grads import COUNTER
-
-            done = torch._dynamo.utils.counters["inductor"][COUNTER]
             kernels["weight_gradients"] = (
-                f"written in FP32 by their matmuls: {done} in this process's compiled backwards "
+                "written in FP32 by their matmuls where a BF16/FP16 matmul and a cast made them, on CUDA "
                 "(compile_fp32_weight_grads)"
             )
+        elif self.args.torch_compile and self.args.compile_fp32_weight_grads:
+            kernels["weight_gradients"] = f"not rewritten: {why_not_fp32_weight_grads(self.args)}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:

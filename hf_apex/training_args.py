@@ -196,16 +196,17 @@ class ApexTrainingArguments(TrainingArguments):
             with it against 26.27 (`benchmarks/h200-2026-12-03-short`); not yet measured with the other models or
             with `compile_fuse_projections`, so no stage sets it. `None`: off.
         compile_fp32_weight_grads (`bool` or `None`, *optional*, defaults to `None`):
-            With `torch_compile` (Inductor), under BF16/FP16 autocast on CUDA: each weight's gradient is written in
-            FP32 by its matmul (cuBLAS's accumulator as it is) instead of a half-precision matmul and a cast kernel
-            (`hf_apex.kernels.weight_grads`, an Inductor post-grad pass set for this trainer's training steps only;
-            one of yours keeps its place). The same sums, rounded once instead of twice. On an H200 BERT-base
-            128 x 128's `fastest` step took 24.62 ms with it against 24.83, GPT-2 124M's 35.30 against 35.24
+            With `torch_compile` (Inductor), under BF16/FP16 autocast on CUDA: weight gradients that a half-precision
+            matmul and a cast kernel would make are written in FP32 by the matmul (cuBLAS's accumulator as it is;
+            `hf_apex.kernels.weight_grads`, an Inductor post-grad pass set for this trainer's training steps only;
+            one of yours keeps its place, and the metrics JSON's `kernels.weight_gradients` says which ran). The
+            same sums, rounded once instead of twice. On an H200 BERT-base 128 x 128's `fastest` step took 24.62 ms
+            with the same pass (its experiment script) against 24.83, GPT-2 124M's 35.30 against 35.24
             (`benchmarks/h200-2026-12-03-headgrad`). The `fastest` stage sets `True`, which `False` of yours
             overrides. `None`: off.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             For causal LMs of the families in `hf_apex.kernels.loss.SUPPORTED`: the training loss is computed
-            chunk by chunk from the LM head's matmul, without holding the logits (`hf_apex.kernels.loss`): the same
+            chunk by chunk from the LM head's matmul, without FP32 logits (`hf_apex.kernels.loss`): the same
             maths as transformers' loss (the logits rounded to the autocast dtype, the softmax in FP32), the head's
             matmuls on a vocabulary padded to a multiple of 64 with the padding masked out. Training forwards then
             return no logits; evaluation runs the stock forward. Another model, and any under FP16 autocast, keeps

@@ -84,6 +84,33 @@ def test_same_loss_and_gradients_under_bf16_autocast():
     assert not torch.equal(fp32[1], got[1])  # autocast really changed the matmuls
 
 
+def test_under_fp16_autocast_small_gradients_are_not_flushed_to_zero():
+    """The stock loss's FP16 gradient is scaled by the GradScaler before it is rounded to FP16; one divided by a large
+    ``num_items_in_batch`` first would fall below FP16's smallest number. So in FP16 the chunks' gradients are
+    divided in FP32 after the matmuls: as close to the FP32 gradients as the stock loss's."""
+    hidden, weight, labels = inputs(vocab=2000, d=32, batch=2, seq=1024)
+    weight = weight / 10  # near-uniform softmax: most probabilities about 1 / 2000
+    kwargs = {"num_items_in_batch": 8192}  # (a whole accumulated batch: 1 / 2000 / 8192 is FP16's smallest number)
+    fp32 = loss_and_grads(reference, hidden, weight, labels, **kwargs)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 65536.0, **kwargs)
+        ref = loss_and_grads(reference, hidden, weight, labels, 65536.0, **kwargs)
+    for a, b, exact in zip(got[1:], ref[1:], fp32[1:]):
+        assert rel_err(b / 65536, exact) < 5e-3  # the stock loss
+        assert rel_err(a / 65536, exact) < 5e-3  # FP16's 11-bit mantissa: 2**-11 = 5e-4 a rounding
+
+
+@pytest.mark.parametrize("divisor", [0, torch.tensor(0)])
+def test_a_divisor_of_zero_gives_nan_loss_and_no_error(divisor):
+    """All labels ignored in a batch (or ``num_items_in_batch`` 0): the stock loss is NaN; so is this one, without
+    raising, and no position gets a non-finite gradient from a chunk in which no target counts."""
+    hidden, weight, labels = inputs()
+    labels[:] = -100
+    loss, grad_h, grad_w = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, num_items_in_batch=divisor)
+    assert loss.isnan()
+    assert torch.equal(grad_h, torch.zeros_like(grad_h)) and torch.equal(grad_w, torch.zeros_like(grad_w))
+
+
 def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_gradients(monkeypatch):
     """Compiled, a chunk's gradient is one expression of its logits (measured faster on an H200: Inductor fuses it
     into the softmax); an indexed in-place update in the graph would keep it apart. The maths stays the stock one."""
@@ -121,11 +148,11 @@ def interpreted_row_kernel(monkeypatch):
     fused._rows_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("chunk_elements", [fused.ROW_CHUNK_ELEMENTS, 5 * 128])
-def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_elements, monkeypatch):
+@pytest.mark.parametrize("chunk_bytes", [fused.ROW_CHUNK_BYTES, 5 * 128 * 4])  # one chunk; 8 in FP32, 4 in BF16
+def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_bytes, monkeypatch):
     """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
     the logits: the stock maths, with the padding columns and the ignored positions out of it."""
-    monkeypatch.setattr(fused, "ROW_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", chunk_bytes)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
     got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 3.0)
     ref = loss_and_grads(reference, hidden, weight, labels, 3.0)
@@ -178,7 +205,7 @@ def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch
     here is the kernel's contract in torch's ops (Triton's interpreter cannot run under the compiler's fake
     tensors); tests/gpu/test_loss_gpu.py checks the same with the kernel on a GPU."""
     monkeypatch.setattr(fused, "_row_op", lambda hidden: rows_in_torch)
-    monkeypatch.setattr(fused, "ROW_CHUNK_ELEMENTS", 5 * 128)  # several chunks
+    monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # several chunks
     hidden, weight, labels = inputs(vocab=100)
     explained = torch._dynamo.explain(fused.causal_lm_loss)(hidden, weight, labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -451,8 +451,8 @@ def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path
 
 def test_compile_fp32_weight_grads_sets_its_pass_for_the_training_steps_only(tmp_path):
     """compile_fp32_weight_grads sets hf_apex's post-grad pass (hf_apex.kernels.weight_grads; what it rewrites:
-    tests/test_weight_grads.py) while the trainer's steps compile and run, not after, and the metrics JSON counts what
-    it rewrote."""
+    tests/test_weight_grads.py) while the trainer's steps compile and run, not after, unless a pass of yours is set,
+    and the metrics JSON says which."""
     import torch._inductor.config as inductor
 
     from hf_apex.kernels import weight_grads
@@ -472,7 +472,20 @@ def test_compile_fp32_weight_grads_sets_its_pass_for_the_training_steps_only(tmp
     assert seen and all(p is weight_grads.FP32_WEIGHT_GRADS for p in seen)
     assert inductor.post_grad_custom_post_pass is None  # (torch's default, outside the steps)
     kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
-    assert kernels["weight_gradients"].startswith("written in FP32 by their matmuls: 0 ")  # FP32 on a CPU: none
+    assert kernels["weight_gradients"].startswith("written in FP32 by their matmuls where")
+    # a post-grad pass of yours keeps its place, and the metrics say why this one did not run
+    yours = weight_grads.FP32WeightGrads()
+    with inductor.patch(post_grad_custom_post_pass=yours):
+        seen.clear()
+        torch._dynamo.reset()
+        trainer = Watching(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.train()
+        torch._dynamo.reset()
+    assert seen and all(p is yours for p in seen)
+    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
+    assert kernels["weight_gradients"] == (
+        "not rewritten: torch._inductor.config.post_grad_custom_post_pass is set already (yours is kept)"
+    )
 
 
 def test_compile_combo_kernels_holds_for_the_training_steps_with_the_same_losses(tmp_path):

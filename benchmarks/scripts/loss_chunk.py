@@ -78,14 +78,15 @@ VARIANTS = {
 
 def configure(name: str, logits: int, defaults: dict, kernel: bool) -> tuple[str, dict]:
     """``current@chunks=4,block=8192,warps=16``: the variant and the module settings it runs under.
-    ``kernel``: whether the row kernel runs here (its chunks' budget is then ``ROW_CHUNK_ELEMENTS``); ``fp32=0``: the
-    head's gradient from a BF16 matmul and a cast (``FP32_HEAD_GRAD`` off)."""
+    ``kernel``: whether the row kernel runs here (its chunks' budget is then ``ROW_CHUNK_BYTES`` of BF16);
+    ``fp32=0``: the head's gradient from a BF16 matmul and a cast (``FP32_HEAD_GRAD`` off)."""
     base, _, spec = name.partition("@")
     opts = dict(kv.split("=") for kv in spec.split(",") if kv)
     off = base in ("torch", "scatter")
     settings = {"_row_op": (lambda h: None) if off else defaults["_row_op"]}
     if "chunks" in opts:  # the budget of logits per chunk that gives that many chunks
-        settings["ROW_CHUNK_ELEMENTS" if kernel and not off else "CHUNK_ELEMENTS"] = -(-logits // int(opts["chunks"]))
+        per_chunk = -(-logits // int(opts["chunks"]))
+        settings.update({"ROW_CHUNK_BYTES": 2 * per_chunk} if kernel and not off else {"CHUNK_ELEMENTS": per_chunk})
     if "fp32" in opts:
         settings["FP32_HEAD_GRAD"] = bool(int(opts["fp32"]))
     for key, setting in (("block", "ROW_BLOCK"), ("warps", "ROW_WARPS")):
@@ -121,7 +122,7 @@ def main():
     targets[:: o.positions // 16] = -100  # some ignored positions, as at the end of each row
     amp = torch.bfloat16
     results, reference = {}, None
-    names = ("_row_op", "CHUNK_ELEMENTS", "ROW_CHUNK_ELEMENTS", "FP32_HEAD_GRAD", "ROW_BLOCK", "ROW_WARPS")
+    names = ("_row_op", "CHUNK_ELEMENTS", "ROW_CHUNK_BYTES", "FP32_HEAD_GRAD", "ROW_BLOCK", "ROW_WARPS")
     defaults = {k: getattr(L, k) for k in names}
     kernel = L._row_op(hidden) is not None
     for name in o.variants.split(";"):

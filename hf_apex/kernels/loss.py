@@ -1,16 +1,17 @@
-"""A causal-LM loss that never holds the logits: the LM head's matmul and cross-entropy, chunk by chunk.
+"""A causal-LM loss that never holds FP32 logits: the LM head's matmul and cross-entropy, chunk by chunk.
 
 A Hugging Face causal LM computes ``logits = lm_head(hidden)`` for every position, upcasts them to FP32 and takes
 the cross-entropy (``ForCausalLMLoss``). For GPT-2 124M at 16 × 1024 tokens that is 16,384 × 50,257 logits: 1.6 GB
 in BF16 and 3.3 GB in FP32, written and read several times, and their gradient as large again.
-:class:`LinearCrossEntropy` takes the positions in chunks instead: for each chunk it computes the chunk's logits
-(in the autocast dtype, as the LM head does), the FP32 log-sum-exp and loss, and at once the chunk's gradients with
-respect to the hidden states and the head's weight, then drops the logits. The backward only scales those
-gradients. The maths is the stock loss's: the same shift of the labels, the same ignored index, the same mean (or
-sum divided by ``num_items_in_batch``, as the Trainer asks under gradient accumulation), the logits rounded to the
-autocast dtype before the FP32 softmax. The head's weight is padded to a multiple of 64 rows for the matmuls
-(50,257 → 50,304: shapes the tensor cores take whole) and the padded logits are masked out of the softmax, so
-the loss and the gradients are those of the unpadded head.
+:class:`LinearCrossEntropy` takes the positions in chunks instead: for each chunk it computes the chunk's logits (in
+the autocast dtype, as the LM head does), the FP32 log-sum-exp and loss, and at once the chunk's gradients with
+respect to the hidden states and the head's weight, then drops the logits (at most 2 GiB of them at a time, in the
+matmul's dtype, under the row kernel below). The backward only scales those gradients. The maths is the stock
+loss's: the same shift of the labels, the same ignored index, the same mean (or sum divided by
+``num_items_in_batch``, as the Trainer asks under gradient accumulation), the logits rounded to the autocast dtype
+before the FP32 softmax. The head's weight is padded to a multiple of 64 rows for the matmuls (50,257 → 50,304:
+shapes the tensor cores take whole) and the padded logits are masked out of the softmax, so the loss and the
+gradients are those of the unpadded head.
 
 Between a chunk's matmuls, on a CUDA GPU with Triton, one kernel of hf_apex's (:func:`_rows_kernel`) does the
 softmax's work: it reads the chunk's BF16 logits once for the log-sum-exp (an online max and sum) and once more to
@@ -32,11 +33,11 @@ from .availability import has_mm_out_dtype, has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
-# Under the row kernel, which holds a chunk's logits in the matmul's dtype only and writes their gradient in their
-# place: 2 GiB of BF16 logits, GPT-2's 16 x 1024 positions in one chunk. Each chunk adds its part of the head's
-# gradient into an FP32 buffer, and smaller chunks make smaller matmuls (on an H200 GPT-2's loss alone took 7.55 ms in
-# 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows).
-ROW_CHUNK_ELEMENTS = 2**30
+# Bytes of logits per chunk under the row kernel, which holds a chunk's logits in the matmul's dtype only and writes
+# their gradient in their place: 2 GiB, GPT-2's 16 x 1024 positions in one chunk in BF16, two in FP32. Each chunk adds
+# its part of the head's gradient into an FP32 buffer, and smaller chunks make smaller matmuls (on an H200 GPT-2's
+# loss alone took 7.55 ms in 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows).
+ROW_CHUNK_BYTES = 2**31
 # The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast. With one
 # chunk and the gradients scaled in the row kernel, GPT-2's `fastest` step on an H200 took 35.59 ms on average against
 # 35.99 with 4 chunks of BF16 parts (one pair; the parts' shares not measured; benchmarks/h200-2026-12-03-headgrad).
@@ -166,17 +167,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         w = nn.functional.pad(weight.to(dtype), (0, 0, 0, -vocab % PAD_MULTIPLE))
         rows = _row_op(h)
         # A power-of-two number of chunks: under torch.compile, positions of any count within a bucket share a graph.
-        budget = ROW_CHUNK_ELEMENTS if rows is not None else CHUNK_ELEMENTS
+        budget = ROW_CHUNK_BYTES // h.element_size() if rows is not None else CHUNK_ELEMENTS
         chunks = 1
         while chunks * budget < h.shape[0] * w.shape[0]:
             chunks *= 2
         grads = grad_hidden or grad_weight
-        # d loss / d (summed loss), as the stock loss's division gives it: the chunks' gradients come out scaled
-        if torch.is_tensor(divisor):
-            divisor = divisor.to(h.device, torch.float32)
-            scale = 1.0 / divisor
-        else:
-            scale = torch.full((), 1.0 / divisor, dtype=torch.float32, device=h.device)
+        # d loss / d (summed loss), as the stock loss's division gives it: the chunks' gradients come out scaled, and
+        # rounded to the matmul's dtype after it, as the stock loss rounds them. Not in FP16, where the stock loss's
+        # gradient is scaled by the GradScaler before it is rounded: there they are divided in FP32 after the matmuls.
+        divisor = divisor.to(h.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
+        scale = 1.0 / torch.as_tensor(divisor, dtype=torch.float32, device=h.device)
+        scaled = dtype != torch.float16
+        if not scaled:
+            scale = torch.ones_like(scale)
         grad_h, grad_w = [], None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         cols = torch.arange(w.shape[0], device=h.device) if torch.compiler.is_compiling() else None
@@ -192,11 +195,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             if grad_weight:
                 part = _matmul_fp32(g.T, hc)
                 grad_w = part if grad_w is None else grad_w.add_(part)
+        if grad_hidden:
+            grad_h = grad_h[0] if chunks == 1 else torch.cat(grad_h)
+            grad_h = grad_h if scaled else grad_h.float() / divisor
+        if grad_weight:
+            grad_w = grad_w[:vocab] if scaled else grad_w[:vocab] / divisor
         if grads:
-            ctx.save_for_backward(
-                (grad_h[0] if chunks == 1 else torch.cat(grad_h)) if grad_hidden else None,
-                grad_w[:vocab] if grad_weight else None,
-            )
+            ctx.save_for_backward(grad_h if grad_hidden else None, grad_w if grad_weight else None)
             ctx.dtypes = hidden.dtype, weight.dtype
         return total / divisor
 
@@ -242,10 +247,10 @@ def _chunk_in_torch(hc, w, yc, scale, vocab, ignore_index, cols, grad):
     # d summed loss / d logits = softmax - one_hot(target), where a target counts
     if cols is not None:  # compiled: one pointwise expression, which Inductor fuses into the softmax's kernel
         onehot = (cols == target[:, None]).to(torch.float32)
-        return loss, (((logits - lse[:, None]).exp() - onehot) * (valid[:, None] * scale)).to(hc.dtype)
+        return loss, (((logits - lse[:, None]).exp() - onehot) * torch.where(valid, scale, 0.0)[:, None]).to(hc.dtype)
     probs = logits.sub_(lse[:, None]).exp_()  # eager: in place, no second chunk-sized buffer
     probs[torch.arange(yc.shape[0], device=yc.device), target] -= valid.to(probs.dtype)
-    return loss, probs.mul_(valid[:, None] * scale).to(hc.dtype)
+    return loss, probs.mul_(torch.where(valid, scale, 0.0)[:, None]).to(hc.dtype)
 
 
 def causal_lm_loss(
@@ -338,7 +343,7 @@ class _FusedLossLM:
         )
 
     def extra_repr(self) -> str:
-        return "training loss: chunked LM head + cross-entropy (hf_apex; no logits held, vocabulary padded to x64)"
+        return "training loss: chunked LM head + cross-entropy (hf_apex; no FP32 logits, vocabulary padded to x64)"
 
     def __reduce_ex__(self, protocol):  # pickles as the stock class plus the swap
         return _rebuild, (stock_model_class(self),), self.__getstate__()

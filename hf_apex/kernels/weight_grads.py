@@ -8,8 +8,11 @@ again in FP32 (GPT-2 124M: 48 of them, 85 M elements a step). cuBLAS can write t
 :class:`FP32WeightGrads` is an Inductor post-grad pass (``torch._inductor.config.post_grad_custom_post_pass``). In a
 backward graph (one with tangents) it replaces ``convert_element_type(mm(a, b), float32)`` by that matmul where the
 operands are BF16 or FP16 CUDA tensors, the cast's only user is the graph's output (a gradient the graph returns) and
-the matmul's only user is the cast. The gradient is the same sum, rounded once (to FP32) instead of twice (to BF16,
-then exactly to FP32). Activation gradients and forward graphs are left alone.
+the matmul's only user is the cast: the weight gradients of linears and GPT-2's Conv1D, and the gradient of any FP32
+graph input made that way. The result is the same sum, rounded once (to FP32) instead of twice (to BF16, then exactly
+to FP32). A gradient that is a slice of a larger matmul's (a fused projection's weights, `hf_apex.kernels.projections`)
+keeps its matmul and cast; forward graphs are left alone. Inductor caches the compiled graphs, rewrite included: a
+graph from its cache does not run the pass again.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from .availability import has_mm_out_dtype
 
 aten, prims = torch.ops.aten, torch.ops.prims
 HALF = (torch.bfloat16, torch.float16)
-COUNTER = "hf_apex_fp32_weight_grads"  # in torch._dynamo.utils.counters["inductor"]: matmuls rewritten
+COUNTER = "hf_apex_fp32_weight_grads"  # in torch._dynamo.utils.counters["inductor"]: matmuls rewritten by the pass
 
 
 def _value(node):
