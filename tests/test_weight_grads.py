@@ -54,17 +54,29 @@ def casts(graphs) -> int:
     return sum(n.target is torch.ops.prims.convert_element_type.default for g in graphs for n in g.nodes)
 
 
-def test_each_weight_gradient_of_a_bf16_backward_comes_from_one_fp32_matmul():
-    graphs = post_grad_graphs("gpt2", autocast=True)
+def weights_in_matmuls(family: str) -> int:
+    """The model's linear weights (nn.Linear, GPT-2's Conv1D) apart from a head tied to the input embeddings, whose
+    gradient is a sum with the embeddings' and so no matmul's alone."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = tiny_model(family)
+    embeddings = model.get_input_embeddings().weight
+    return sum(isinstance(m, (torch.nn.Linear, Conv1D)) and m.weight is not embeddings for m in model.modules())
+
+
+@pytest.mark.parametrize("family, expected", [("gpt2", 8), ("llama", 15)])
+def test_each_weight_gradient_of_a_bf16_backward_comes_from_one_fp32_matmul(family, expected):
+    # GPT-2's 2 layers: 4 Conv1D weights each (their weight is (in, out)), its head tied; the tiny Llama's: q, k, v,
+    # o, gate, up and down, nn.Linear's (out, in), and its own head
+    assert weights_in_matmuls(family) == expected
+    graphs = post_grad_graphs(family, autocast=True)
     before = casts(graphs["backward"])
     # on the CPU's graphs, as the pass treats CUDA ones (mm.dtype runs on CUDA only; nothing runs here)
     done = sum(weight_grads.fp32_weight_grads(g, devices=("cpu",)) for g in graphs["backward"])
-    # GPT-2's 2 layers: 4 Conv1D weights each (attention in and out, MLP in and out); the tied head's gradient and
-    # the embeddings' come from elsewhere, the activations' gradients stay BF16
-    assert done == 8
-    assert before - casts(graphs["backward"]) == 8
+    assert done == expected  # the embeddings' gradients come from elsewhere, the activations' stay BF16
+    assert before - casts(graphs["backward"]) == expected
     rewritten = [n for g in graphs["backward"] for n in g.nodes if n.target is torch.ops.aten.mm.dtype]
-    assert len(rewritten) == 8
+    assert len(rewritten) == expected
     for node in rewritten:
         assert set(node.users) == {node.graph.output_node()} and node.args[2] is torch.float32
         assert node.meta["val"].dtype == torch.float32
