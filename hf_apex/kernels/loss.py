@@ -176,10 +176,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         # rounded to the matmul's dtype after it, as the stock loss rounds them. Not in FP16, where the stock loss's
         # gradient is scaled by the GradScaler before it is rounded: there they are divided in FP32 after the matmuls.
         divisor = divisor.to(h.device, torch.float32) if torch.is_tensor(divisor) else float(divisor)
-        scale = 1.0 / torch.as_tensor(divisor, dtype=torch.float32, device=h.device)
         scaled = dtype != torch.float16
-        if not scaled:
-            scale = torch.ones_like(scale)
+        scale = torch.as_tensor(divisor if scaled else 1.0, dtype=torch.float32, device=h.device).reciprocal()
         grad_h, grad_w = [], None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         cols = torch.arange(w.shape[0], device=h.device) if torch.compiler.is_compiling() else None
