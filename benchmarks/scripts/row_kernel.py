@@ -36,7 +36,12 @@ import triton.language as tl
 sys.path.insert(0, ".")
 from hf_apex.kernels import loss as L  # noqa: E402
 
-DEFAULTS = {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS}  # hf_apex's, before a variant sets its own
+DEFAULTS = {
+    "block": L.ROW_BLOCK,
+    "warps": L.ROW_WARPS,
+    "whole": L.ROW_WHOLE_COLS,
+    "wwarps": L.ROW_WHOLE_WARPS,
+}  # hf_apex's, before a variant sets its own
 
 
 @triton.jit
@@ -91,9 +96,45 @@ def rows_lanes(
             tl.store(row + c, g, mask=c < cols)
 
 
+@triton.jit
+def rows_whole16(logits, row_stride, targets, losses, vocab, cols, ignore_index, BLOCK: tl.constexpr):
+    """hf_apex's whole-row path, the row held as loaded (BF16) and converted to FP32 at each use."""
+    row = logits + tl.program_id(0).to(tl.int64) * row_stride
+    target = tl.load(targets + tl.program_id(0))
+    counted = target != ignore_index
+    target = tl.where(counted, target, 0)
+    offsets = tl.arange(0, BLOCK)
+    x = tl.load(row + offsets, mask=offsets < vocab, other=float("-inf"))
+    top = tl.max(x.to(tl.float32), 0)
+    lse = top + tl.log(tl.sum(tl.exp(x.to(tl.float32) - top), 0))
+    picked = tl.sum(tl.where(offsets == target, x.to(tl.float32), 0.0), 0)
+    tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+    g = tl.exp(x.to(tl.float32) - lse) - tl.where(offsets == target, 1.0, 0.0)
+    g = tl.where(counted, g, 0.0).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(row + offsets, g, mask=offsets < cols)
+
+
+def run_whole16(logits, targets, vocab, settings):
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    block = triton.next_power_of_2(logits.shape[1])
+    rows_whole16[(logits.shape[0],)](
+        logits,
+        logits.stride(0),
+        targets,
+        losses,
+        vocab,
+        logits.shape[1],
+        -100,
+        BLOCK=block,
+        num_warps=settings["wwarps"],
+    )
+    return losses
+
+
 def run_hf_apex(logits, targets, vocab, settings):
     """hf_apex's own op (the path its loss takes), at the variant's settings."""
     L.ROW_BLOCK, L.ROW_WARPS = settings["block"], settings["warps"]  # (read by the op at each call)
+    L.ROW_WHOLE_COLS, L.ROW_WHOLE_WARPS = settings["whole"], settings["wwarps"]
     return L._rows_op()(logits, targets, torch.ones((), device=logits.device), vocab, -100, True)  # (scale 1)
 
 
@@ -119,7 +160,12 @@ def run_lanes(logits, targets, vocab, settings, evict=False):
     return losses
 
 
-KINDS = {"hf_apex": run_hf_apex, "lanes": run_lanes, "evict": lambda *a: run_lanes(*a, evict=True)}
+KINDS = {
+    "hf_apex": run_hf_apex,
+    "whole16": run_whole16,
+    "lanes": run_lanes,
+    "evict": lambda *a: run_lanes(*a, evict=True),
+}
 
 
 def parse(variant: str) -> tuple[str, dict]:
@@ -140,8 +186,9 @@ def main():
     p.add_argument(
         "--variants",
         # 2026-12-03 ran hf_apex at 4096/8, 8192/16 and 2048/4 (the default since), lanes and evict with programs
-        default="hf_apex;hf_apex@block=4096,warps=8;hf_apex@block=1024,warps=2;hf_apex@block=1024,warps=4;"
-        "hf_apex@block=2048,warps=8;lanes;lanes@programs=8;evict",
+        # (slower); 2026-12-04 the whole-row path (one read) at 8, 16 and 32 warps against the looped one
+        default="hf_apex@whole=0;hf_apex@wwarps=8;hf_apex@wwarps=16;hf_apex@wwarps=32;whole16@wwarps=8;"
+        "whole16@wwarps=16;whole16@wwarps=32",
     )
     o = p.parse_args()
     torch.manual_seed(0)

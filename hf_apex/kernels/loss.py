@@ -49,50 +49,76 @@ SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-# The row kernel's columns per load and warps per row. On an H200 a chunk of 4,096 x 50,304 BF16 logits took 0.411 ms
-# with 2,048 and 4 against 0.430 with 4,096 and 8 and 0.499 with 8,192 and 16: the kernel alone, launch included
-# (benchmarks/scripts/row_kernel.py; benchmarks/h200-2026-12-03-bench), not yet timed in a training step.
+# The row kernel's columns per load and warps per row, where a row takes several loads. On an H200 a chunk of 4,096 x
+# 50,304 BF16 logits took 0.411 ms with 2,048 and 4 against 0.430 with 4,096 and 8 and 0.499 with 8,192 and 16: the
+# kernel alone, launch included (benchmarks/scripts/row_kernel.py; benchmarks/h200-2026-12-03-bench).
 ROW_BLOCK, ROW_WARPS = 2048, 4
+# Rows of at most this many columns are read in one load and held in registers (a power of two at least the row):
+# one read of the logits and one write of their gradient instead of two reads and a write. Warps per row there.
+ROW_WHOLE_COLS, ROW_WHOLE_WARPS = 65536, 16
 
 
 @functools.cache
 def _rows_kernel():
     """The Triton kernel of one program per row of a chunk's logits: the FP32 log-sum-exp over the first ``vocab``
-    columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
-    ``(softmax - one_hot(target)) * scale`` (``scale``: a one-element FP32 tensor, the loss's 1 / divisor; zero in
-    the padding columns and in rows whose target is ``ignore_index``) written over the logits in their dtype (a
-    second read and one write), rounded once, as the stock loss's FP32 gradient is rounded to the logits' dtype.
-    torch's ops, even fused by Inductor, hold FP32 logits or read them a third time."""
+    columns, the row's loss, and then, with ``GRAD``, the gradient ``(softmax - one_hot(target)) * scale``
+    (``scale``: a one-element FP32 tensor, the loss's 1 / divisor; zero in the padding columns and in rows whose
+    target is ``ignore_index``) written over the logits in their dtype, rounded once, as the stock loss's FP32
+    gradient is rounded to the logits' dtype. With ``WHOLE`` (``BLOCK`` at least the row's columns) the row is read
+    once and the gradient computed from the values held; otherwise ``BLOCK`` columns at a time, an online max and
+    sum over one read and the gradient over a second. torch's ops, even fused by Inductor, hold FP32 logits or read
+    them a third time."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def softmax_xent_rows(
-        logits, row_stride, targets, losses, scale, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
+        logits,
+        row_stride,
+        targets,
+        losses,
+        scale,
+        vocab,
+        cols,
+        ignore_index,
+        GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        WHOLE: tl.constexpr,
     ):
         row = logits + tl.program_id(0).to(tl.int64) * row_stride
         target = tl.load(targets + tl.program_id(0))
         counted = target != ignore_index
         target = tl.where(counted, target, 0)
+        s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
         offsets = tl.arange(0, BLOCK)
-        top = float("-inf")
-        total = 0.0
-        for start in range(0, vocab, BLOCK):
-            x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
-            new_top = tl.maximum(top, tl.max(x, 0))
-            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
-            top = new_top
-        lse = top + tl.log(total)
-        picked = tl.load(row + target).to(tl.float32)
-        tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
-        if GRAD:
-            s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
-            for start in range(0, cols, BLOCK):
-                c = start + offsets
-                x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)  # padding: exp gives 0
-                g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
+        if WHOLE:
+            x = tl.load(row + offsets, mask=offsets < vocab, other=float("-inf")).to(tl.float32)  # padding: exp 0
+            top = tl.max(x, 0)
+            lse = top + tl.log(tl.sum(tl.exp(x - top), 0))
+            picked = tl.sum(tl.where(offsets == target, x, 0.0), 0)
+            tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+            if GRAD:
+                g = (tl.exp(x - lse) - tl.where(offsets == target, 1.0, 0.0)) * s
                 g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
-                tl.store(row + c, g, mask=c < cols)
+                tl.store(row + offsets, g, mask=offsets < cols)
+        else:
+            top = float("-inf")
+            total = 0.0
+            for start in range(0, vocab, BLOCK):
+                x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
+                new_top = tl.maximum(top, tl.max(x, 0))
+                total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
+                top = new_top
+            lse = top + tl.log(total)
+            picked = tl.load(row + target).to(tl.float32)
+            tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+            if GRAD:
+                for start in range(0, cols, BLOCK):
+                    c = start + offsets
+                    x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)
+                    g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
+                    g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")
+                    tl.store(row + c, g, mask=c < cols)
 
     return softmax_xent_rows
 
@@ -109,6 +135,8 @@ def _rows_op():
     ) -> torch.Tensor:
         assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        cols = logits.shape[1]
+        whole = cols <= ROW_WHOLE_COLS
         wrap_triton(_rows_kernel())[(logits.shape[0],)](
             logits,
             logits.stride(0),
@@ -116,11 +144,12 @@ def _rows_op():
             losses,
             scale,
             vocab,
-            logits.shape[1],
+            cols,
             ignore_index,
             GRAD=grad,
-            BLOCK=ROW_BLOCK,
-            num_warps=ROW_WARPS,
+            BLOCK=max(1 << (cols - 1).bit_length(), 16) if whole else ROW_BLOCK,
+            WHOLE=whole,
+            num_warps=ROW_WHOLE_WARPS if whole else ROW_WARPS,
         )
         return losses
 
