@@ -187,8 +187,8 @@ def main():
         "--variants",
         # 2026-12-03 ran hf_apex at 4096/8, 8192/16 and 2048/4 (the default since), lanes and evict with programs
         # (slower); 2026-12-04 the whole-row path (one read) at 8, 16 and 32 warps against the looped one
-        default="hf_apex@whole=0;hf_apex@wwarps=8;hf_apex@wwarps=16;hf_apex@wwarps=32;whole16@wwarps=8;"
-        "whole16@wwarps=16;whole16@wwarps=32",
+        default="hf_apex@whole=0;hf_apex@whole=0,block=4096,warps=8;hf_apex@whole=0,block=1024,warps=4;hf_apex@wwarps=16;"
+        "hf_apex@wwarps=32;whole16@wwarps=32",
     )
     o = p.parse_args()
     torch.manual_seed(0)

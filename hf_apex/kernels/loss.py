@@ -55,7 +55,7 @@ _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "ou
 ROW_BLOCK, ROW_WARPS = 2048, 4
 # Rows of at most this many columns are read in one load and held in registers (a power of two at least the row):
 # one read of the logits and one write of their gradient instead of two reads and a write. Warps per row there.
-ROW_WHOLE_COLS, ROW_WHOLE_WARPS = 65536, 16
+ROW_WHOLE_COLS, ROW_WHOLE_WARPS = 65536, 32
 
 
 @functools.cache
@@ -92,20 +92,24 @@ def _rows_kernel():
         s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
         offsets = tl.arange(0, BLOCK)
         if WHOLE:
-            x = tl.load(row + offsets, mask=offsets < vocab, other=float("-inf")).to(tl.float32)  # padding: exp 0
-            top = tl.max(x, 0)
-            lse = top + tl.log(tl.sum(tl.exp(x - top), 0))
-            picked = tl.sum(tl.where(offsets == target, x, 0.0), 0)
+            x = tl.load(row + offsets, mask=offsets < cols, other=0.0)
+            x = tl.where(offsets < vocab, x, float("-inf"))  # the padding: exp gives 0
+            picked = tl.load(row + target).to(tl.float32)
+            top = tl.max(x, 0).to(tl.float32)
+            lse = top + tl.log(tl.sum(tl.exp(x.to(tl.float32) - top), 0))
             tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
-            if GRAD:
-                g = (tl.exp(x - lse) - tl.where(offsets == target, 1.0, 0.0)) * s
-                g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
+            if GRAD:  # the softmax in every column, then the target's column (softmax - 1) over it
+                g = (tl.exp(x.to(tl.float32) - lse) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
                 tl.store(row + offsets, g, mask=offsets < cols)
+                tl.debug_barrier()
+                g = ((tl.exp(picked - lse) - 1.0) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
+                tl.store(row + target, g)
         else:
             top = float("-inf")
             total = 0.0
             for start in range(0, vocab, BLOCK):
-                x = tl.load(row + start + offsets, mask=start + offsets < vocab, other=float("-inf")).to(tl.float32)
+                c = start + offsets
+                x = tl.where(c < vocab, tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32), float("-inf"))
                 new_top = tl.maximum(top, tl.max(x, 0))
                 total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
                 top = new_top
@@ -115,7 +119,7 @@ def _rows_kernel():
             if GRAD:
                 for start in range(0, cols, BLOCK):
                     c = start + offsets
-                    x = tl.load(row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)
+                    x = tl.where(c < vocab, tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32), float("-inf"))
                     g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
                     g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")
                     tl.store(row + c, g, mask=c < cols)
