@@ -132,11 +132,10 @@ def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_grad
     assert "setitem" not in code and "index_put" not in code
 
 
-@pytest.fixture(params=["whole", "looped"])
-def interpreted_row_kernel(request, monkeypatch):
+@pytest.fixture
+def interpreted_row_kernel(monkeypatch):
     """The CUDA row kernel (`fused._rows_kernel`) run on CPU tensors by Triton's interpreter (tests/conftest.py
-    chooses it on a machine without a GPU; with one, tests/gpu runs the kernel itself): a row held whole, or read
-    32 columns a load."""
+    chooses it on a machine without a GPU; with one, tests/gpu runs the kernel itself), 32 columns a load."""
     pytest.importorskip(
         "triton", reason="Triton is not installed: the row kernel's maths is checked in its interpreter"
     )
@@ -144,8 +143,6 @@ def interpreted_row_kernel(request, monkeypatch):
         pytest.skip("Triton's interpreter is off (a GPU machine): tests/gpu/test_loss_gpu.py runs the kernel")
     monkeypatch.setattr(fused, "_row_op", lambda hidden: fused._rows_op())
     monkeypatch.setattr(fused, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
-    if request.param == "looped":
-        monkeypatch.setattr(fused, "ROW_WHOLE_COLS", 64)
     fused._rows_kernel.cache_clear()
     yield
     fused._rows_kernel.cache_clear()

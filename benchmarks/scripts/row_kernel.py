@@ -14,14 +14,19 @@ second pass that reads the row again and writes the gradient over it. At 4,096 r
   the program per load instead of two; the sum is reduced once at the end);
 - `lanes@programs=K`: the same, with K programs per SM, each taking rows in turn (row = program, program + grid, ...),
   so that fewer rows are in flight and a row read by the first pass may still be in L2 for the second;
-- `evict`: like `lanes`, the first pass asking L2 to keep the row (`evict_last`), the second to drop it.
+- `evict`: like `lanes`, the first pass asking L2 to keep the row (`evict_last`), the second to drop it;
+- `whole` (`@wwarps=W`: its warps, 32 by default): the row held whole in registers, read once;
+- `whole16`: the first version of that, masked at the vocabulary (2-byte loads), the row held in BF16.
 
-Each variant's losses and gradient are checked against torch's FP32 cross-entropy on the same logits (the gradient
-to BF16's rounding (the script exits non-zero if one is off), then timed: `--rounds` rounds over the variants in
-turn, each `--calls` calls back to back between two CUDA events (the kernel writes over its input, so later calls
-read gradients, not logits: the same bytes and the same exps). On an H200 (benchmarks/h200-2026-12-03-bench, an
-earlier harness that timed single synchronised calls, launch included) 2,048 columns a load and 4 warps took 0.411
-ms against 0.430 at 4,096 and 8; the rewrites, at 4,096 and 8, were all slower.
+Each variant's losses and gradient are checked against torch's FP32 cross-entropy on the same logits (the gradient to
+BF16's rounding (the script exits non-zero if one is off), then timed: `--rounds` rounds over the variants in turn,
+each `--calls` calls back to back between two CUDA events (the kernel writes over its input, so later calls read
+gradients, not logits: the same bytes and the same exps). On an H200 (benchmarks/h200-2026-12-03-bench, an earlier
+harness that timed single synchronised calls, launch included) 2,048 columns a load and 4 warps took 0.411 ms against
+0.430 at 4,096 and 8; the rewrites, at 4,096 and 8, were all slower. Later (benchmarks/h200-2026-12-03-vector)
+hf_apex's kernel took 0.396 ms with its loads masked at the vocabulary (50,257 columns: Triton then loads 2 bytes at a
+time) and 0.349 masked at the padded width (16-byte loads); `whole` took 0.560 at 32 warps and 0.581 at 16 (its
+registers spill), `whole16` 0.977.
 """
 
 import argparse
@@ -39,8 +44,7 @@ from hf_apex.kernels import loss as L  # noqa: E402
 DEFAULTS = {
     "block": L.ROW_BLOCK,
     "warps": L.ROW_WARPS,
-    "whole": L.ROW_WHOLE_COLS,
-    "wwarps": L.ROW_WHOLE_WARPS,
+    "wwarps": 32,  # (warps of the whole-row variants)
 }  # hf_apex's, before a variant sets its own
 
 
@@ -97,8 +101,30 @@ def rows_lanes(
 
 
 @triton.jit
+def rows_whole(logits, row_stride, targets, losses, vocab, cols, ignore_index, BLOCK: tl.constexpr):
+    """One read: the row held whole in registers (BLOCK, a power of two, at least its columns), 16-byte loads (the
+    mask at ``cols``), the softmax written everywhere, then the target's column over it."""
+    row = logits + tl.program_id(0).to(tl.int64) * row_stride
+    target = tl.load(targets + tl.program_id(0))
+    counted = target != ignore_index
+    target = tl.where(counted, target, 0)
+    s = tl.where(counted, 1.0, 0.0)
+    offsets = tl.arange(0, BLOCK)
+    x = tl.load(row + offsets, mask=offsets < cols, other=0.0)
+    x = tl.where(offsets < vocab, x, float("-inf"))
+    picked = tl.load(row + target).to(tl.float32)
+    top = tl.max(x, 0).to(tl.float32)
+    lse = top + tl.log(tl.sum(tl.exp(x.to(tl.float32) - top), 0))
+    tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+    g = (tl.exp(x.to(tl.float32) - lse) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(row + offsets, g, mask=offsets < cols)
+    tl.debug_barrier()
+    tl.store(row + target, ((tl.exp(picked - lse) - 1.0) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne"))
+
+
+@triton.jit
 def rows_whole16(logits, row_stride, targets, losses, vocab, cols, ignore_index, BLOCK: tl.constexpr):
-    """hf_apex's whole-row path, the row held as loaded (BF16) and converted to FP32 at each use."""
+    """The first whole-row kernel: masked at ``vocab`` (2-byte loads), the row held as loaded (BF16)."""
     row = logits + tl.program_id(0).to(tl.int64) * row_stride
     target = tl.load(targets + tl.program_id(0))
     counted = target != ignore_index
@@ -114,10 +140,10 @@ def rows_whole16(logits, row_stride, targets, losses, vocab, cols, ignore_index,
     tl.store(row + offsets, g, mask=offsets < cols)
 
 
-def run_whole16(logits, targets, vocab, settings):
+def run_whole(logits, targets, vocab, settings, kernel=rows_whole):
     losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     block = triton.next_power_of_2(logits.shape[1])
-    rows_whole16[(logits.shape[0],)](
+    kernel[(logits.shape[0],)](
         logits,
         logits.stride(0),
         targets,
@@ -134,7 +160,6 @@ def run_whole16(logits, targets, vocab, settings):
 def run_hf_apex(logits, targets, vocab, settings):
     """hf_apex's own op (the path its loss takes), at the variant's settings."""
     L.ROW_BLOCK, L.ROW_WARPS = settings["block"], settings["warps"]  # (read by the op at each call)
-    L.ROW_WHOLE_COLS, L.ROW_WHOLE_WARPS = settings["whole"], settings["wwarps"]
     return L._rows_op()(logits, targets, torch.ones((), device=logits.device), vocab, -100, True)  # (scale 1)
 
 
@@ -162,7 +187,8 @@ def run_lanes(logits, targets, vocab, settings, evict=False):
 
 KINDS = {
     "hf_apex": run_hf_apex,
-    "whole16": run_whole16,
+    "whole": run_whole,
+    "whole16": lambda *a: run_whole(*a, kernel=rows_whole16),
     "lanes": run_lanes,
     "evict": lambda *a: run_lanes(*a, evict=True),
 }
@@ -186,9 +212,8 @@ def main():
     p.add_argument(
         "--variants",
         # 2026-12-03 ran hf_apex at 4096/8, 8192/16 and 2048/4 (the default since), lanes and evict with programs
-        # (slower); 2026-12-04 the whole-row path (one read) at 8, 16 and 32 warps against the looped one
-        default="hf_apex@whole=0;hf_apex@whole=0,block=4096,warps=8;hf_apex@whole=0,block=1024,warps=4;hf_apex@wwarps=16;"
-        "hf_apex@wwarps=32;whole16@wwarps=32",
+        # (slower); later that day the whole-row kernels (one read) against hf_apex's, 16-byte loads since
+        default="hf_apex;hf_apex@block=4096,warps=8;hf_apex@block=1024,warps=4;whole@wwarps=16;whole;whole16",
     )
     o = p.parse_args()
     torch.manual_seed(0)

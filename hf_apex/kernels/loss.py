@@ -49,80 +49,54 @@ SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-# The row kernel's columns per load and warps per row, where a row takes several loads. On an H200 a chunk of 4,096 x
-# 50,304 BF16 logits took 0.411 ms with 2,048 and 4 against 0.430 with 4,096 and 8 and 0.499 with 8,192 and 16: the
-# kernel alone, launch included (benchmarks/scripts/row_kernel.py; benchmarks/h200-2026-12-03-bench).
+# The row kernel's columns per load and warps per row. On an H200 a chunk of 4,096 x 50,304 BF16 logits took 0.349 ms
+# with 2,048 and 4, as with 4,096 and 8, against 0.370 with 1,024 and 4; a kernel that held each row whole and read
+# it once took 0.560 ms (its registers spill): the kernel alone, 20 calls back to back (benchmarks/scripts/
+# row_kernel.py; benchmarks/h200-2026-12-03-vector).
 ROW_BLOCK, ROW_WARPS = 2048, 4
-# Rows of at most this many columns are read in one load and held in registers (a power of two at least the row):
-# one read of the logits and one write of their gradient instead of two reads and a write. Warps per row there.
-ROW_WHOLE_COLS, ROW_WHOLE_WARPS = 65536, 32
 
 
 @functools.cache
 def _rows_kernel():
     """The Triton kernel of one program per row of a chunk's logits: the FP32 log-sum-exp over the first ``vocab``
-    columns, the row's loss, and then, with ``GRAD``, the gradient ``(softmax - one_hot(target)) * scale``
-    (``scale``: a one-element FP32 tensor, the loss's 1 / divisor; zero in the padding columns and in rows whose
-    target is ``ignore_index``) written over the logits in their dtype, rounded once, as the stock loss's FP32
-    gradient is rounded to the logits' dtype. With ``WHOLE`` (``BLOCK`` at least the row's columns) the row is read
-    once and the gradient computed from the values held; otherwise ``BLOCK`` columns at a time, an online max and
-    sum over one read and the gradient over a second. torch's ops, even fused by Inductor, hold FP32 logits or read
-    them a third time."""
+    columns (an online max and sum: one read), the row's loss, and then, with ``GRAD``, the gradient
+    ``(softmax - one_hot(target)) * scale`` (``scale``: a one-element FP32 tensor, the loss's 1 / divisor; zero in
+    the padding columns and in rows whose target is ``ignore_index``) written over the logits in their dtype (a
+    second read and one write), rounded once, as the stock loss's FP32 gradient is rounded to the logits' dtype.
+    The loads are masked at ``cols`` (a multiple of 64), the columns past ``vocab`` set to -inf in registers: a mask
+    at ``vocab`` (50,257) would make them 2-byte loads, 0.396 ms against 0.349 for a chunk above.
+    torch's ops, even fused by Inductor, hold FP32 logits or read them a third time."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def softmax_xent_rows(
-        logits,
-        row_stride,
-        targets,
-        losses,
-        scale,
-        vocab,
-        cols,
-        ignore_index,
-        GRAD: tl.constexpr,
-        BLOCK: tl.constexpr,
-        WHOLE: tl.constexpr,
+        logits, row_stride, targets, losses, scale, vocab, cols, ignore_index, GRAD: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = logits + tl.program_id(0).to(tl.int64) * row_stride
         target = tl.load(targets + tl.program_id(0))
         counted = target != ignore_index
         target = tl.where(counted, target, 0)
-        s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
         offsets = tl.arange(0, BLOCK)
-        if WHOLE:
-            x = tl.load(row + offsets, mask=offsets < cols, other=0.0)
-            x = tl.where(offsets < vocab, x, float("-inf"))  # the padding: exp gives 0
-            picked = tl.load(row + target).to(tl.float32)
-            top = tl.max(x, 0).to(tl.float32)
-            lse = top + tl.log(tl.sum(tl.exp(x.to(tl.float32) - top), 0))
-            tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
-            if GRAD:  # the softmax in every column, then the target's column (softmax - 1) over it
-                g = (tl.exp(x.to(tl.float32) - lse) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(row + offsets, g, mask=offsets < cols)
-                tl.debug_barrier()
-                g = ((tl.exp(picked - lse) - 1.0) * s).to(row.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(row + target, g)
-        else:
-            top = float("-inf")
-            total = 0.0
-            for start in range(0, vocab, BLOCK):
+        top = float("-inf")
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            c = start + offsets
+            x = tl.where(c < vocab, tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32), float("-inf"))
+            new_top = tl.maximum(top, tl.max(x, 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
+            top = new_top
+        lse = top + tl.log(total)
+        picked = tl.load(row + target).to(tl.float32)
+        tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
+        if GRAD:
+            s = tl.where(counted, tl.load(scale), 0.0)  # d loss / d (this row's summed loss)
+            for start in range(0, cols, BLOCK):
                 c = start + offsets
                 x = tl.where(c < vocab, tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32), float("-inf"))
-                new_top = tl.maximum(top, tl.max(x, 0))
-                total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
-                top = new_top
-            lse = top + tl.log(total)
-            picked = tl.load(row + target).to(tl.float32)
-            tl.store(losses + tl.program_id(0), tl.where(counted, lse - picked, 0.0))
-            if GRAD:
-                for start in range(0, cols, BLOCK):
-                    c = start + offsets
-                    x = tl.where(c < vocab, tl.load(row + c, mask=c < cols, other=0.0).to(tl.float32), float("-inf"))
-                    g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
-                    g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")
-                    tl.store(row + c, g, mask=c < cols)
+                g = (tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)) * s
+                g = g.to(row.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch rounds
+                tl.store(row + c, g, mask=c < cols)
 
     return softmax_xent_rows
 
@@ -139,8 +113,6 @@ def _rows_op():
     ) -> torch.Tensor:
         assert logits.stride(1) == 1 and targets.is_contiguous(), "rows of contiguous columns, contiguous targets"
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        cols = logits.shape[1]
-        whole = cols <= ROW_WHOLE_COLS
         wrap_triton(_rows_kernel())[(logits.shape[0],)](
             logits,
             logits.stride(0),
@@ -148,12 +120,11 @@ def _rows_op():
             losses,
             scale,
             vocab,
-            cols,
+            logits.shape[1],
             ignore_index,
             GRAD=grad,
-            BLOCK=max(1 << (cols - 1).bit_length(), 16) if whole else ROW_BLOCK,
-            WHOLE=whole,
-            num_warps=ROW_WHOLE_WARPS if whole else ROW_WARPS,
+            BLOCK=ROW_BLOCK,
+            num_warps=ROW_WARPS,
         )
         return losses
 

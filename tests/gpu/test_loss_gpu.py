@@ -66,15 +66,12 @@ def test_under_torch_compile_the_same_loss():
     torch.testing.assert_close(w, eager_w, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["row-held-whole", "row-looped"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(compiled, whole, monkeypatch):
+def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(compiled, monkeypatch):
     """Each chunk's softmax, loss and gradient come from hf_apex's Triton row kernel on a GPU, eager and inside a
-    compiled graph, with the results of the same chunk in torch's ops (BF16 autocast, GPT-2's vocabulary): the row
-    held whole (one read) or read a block at a time (two)."""
+    compiled graph, with the results of the same chunk in torch's ops (BF16 autocast, GPT-2's vocabulary)."""
     if not has_triton_ops():
         pytest.skip("Triton cannot run here: the chunks run in torch's ops")
-    monkeypatch.setattr(fused, "ROW_WHOLE_COLS", 65536 if whole else 0)  # (50,304 columns padded)
     assert fused._register_row_kernel()  # (as a fused model's setup does, before anything is compiled)
     g = torch.Generator("cuda").manual_seed(0)
     hidden = torch.randn(4096, 768, device="cuda", generator=g, requires_grad=True)
