@@ -271,11 +271,10 @@ class ApexTrainingArguments(TrainingArguments):
     > `torch_compile`, `torch_compile_mode`, `torch_compile_backend`, `autotune`, `fused_linear_cross_entropy`,
     > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
     > `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads`, `attention_backend`,
-    > `tf32=False`); a value you set that
-    > the stage contradicts is a `ValueError`, except for `torch_compile_mode`, `torch_compile_backend`,
-    > `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`, `compile_eager_random`,
-    > `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads` and `attention_backend`, whose
-    > stage values are defaults.
+    > `tf32=False`); a value you set that the stage contradicts is a `ValueError`, except for `torch_compile_mode`,
+    > `torch_compile_backend`, `compile_min_steps`, `compile_recompute_pointwise`, `compile_rotary_once`,
+    > `compile_eager_random`, `compile_fuse_projections`, `compile_combo_kernels`, `compile_fp32_weight_grads` and
+    > `attention_backend`, whose stage values are defaults.
     > A compile mode or backend on a stage that does not compile is a `ValueError` too.
     > Without a stage the `TrainingArguments` defaults apply, except the four `TrainingArguments` fields above. An
     > explicit `--optim` equal to the transformers default (`adamw_torch_fused`) cannot be told from no `--optim`, so
@@ -469,8 +468,12 @@ class ApexTrainingArguments(TrainingArguments):
                 "but torch_compile is off: turn torch_compile on (or pick a stage that compiles: compiled, fastest, "
                 "auto), or drop it."
             )
-        compile_switches = ("compile_rotary_once", "compile_eager_random", "compile_combo_kernels")
-        for name in (*compile_switches, "compile_fp32_weight_grads"):
+        for name in (
+            "compile_rotary_once",
+            "compile_eager_random",
+            "compile_combo_kernels",
+            "compile_fp32_weight_grads",
+        ):
             if getattr(self, name) and not self.torch_compile:
                 raise ValueError(
                     f"{name}=True changes what torch.compile generates, but torch_compile is off: turn torch_compile "

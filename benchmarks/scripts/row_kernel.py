@@ -41,11 +41,8 @@ import triton.language as tl
 sys.path.insert(0, ".")
 from hf_apex.kernels import loss as L  # noqa: E402
 
-DEFAULTS = {
-    "block": L.ROW_BLOCK,
-    "warps": L.ROW_WARPS,
-    "wwarps": 32,  # (warps of the whole-row variants)
-}  # hf_apex's, before a variant sets its own
+# hf_apex's settings, before a variant sets its own, and the whole-row variants' warps
+DEFAULTS = {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS, "wwarps": 32}
 
 
 @triton.jit

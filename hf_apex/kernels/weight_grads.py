@@ -25,7 +25,6 @@ from .availability import has_mm_out_dtype
 
 aten, prims = torch.ops.aten, torch.ops.prims
 HALF = (torch.bfloat16, torch.float16)
-COUNTER = "hf_apex_fp32_weight_grads"  # in torch._dynamo.utils.counters["inductor"]: matmuls rewritten by the pass
 
 
 def _value(node):
@@ -57,8 +56,6 @@ def fp32_weight_grads(graph: fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> 
         graph.erase_node(cast)
         graph.erase_node(mm)
         done += 1
-    if done:
-        torch._dynamo.utils.counters["inductor"][COUNTER] += done
     return done
 
 
