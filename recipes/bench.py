@@ -7,7 +7,9 @@
 For each model and stage it runs `recipes/finetune.py` (ApexTrainer, the path users take) for
 `--warmup + --steps` optimizer steps with a fixed seed, and, unless `--no_plain_loop`, the same model, data,
 optimizer and precision in a plain PyTorch loop, so the Trainer's overhead per stage is visible in the same run.
-It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`.
+It prints a markdown table and writes results.{md,csv,json,png} to `--out_dir`; `--append_results
+benchmarks/results.csv` (`make bench BENCH_RESULTS=benchmarks/results.csv`) also appends its rows to the curated
+results table (benchmarks/README.md; `python recipes/bench_report.py append` does it later from a results.json).
 
 A run that fails is reported where it happens, with the end of its log, and left out of the table; the other runs
 go on, and the bench exits with status 1 naming the failed ones (`--skip_existing` then reruns only those).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -45,7 +48,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_report import add_ratios, format_table, row_from_runs, write_outputs  # recipes/ is on sys.path
+from bench_report import (  # recipes/ is on sys.path
+    add_ratios,
+    append_bench,
+    appended_message,
+    format_table,
+    hf_apex_commit,
+    row_from_runs,
+    write_outputs,
+)
 
 from hf_apex import STAGES
 from hf_apex.kernels.availability import blocker, portable_path
@@ -158,6 +169,12 @@ def parse_args(argv=None):
         help="local data (sst2/, wikitext-2/, tokenizers/); default ../shared/data if present, else the Hub",
     )
     parser.add_argument("--out_dir", default=".bench")
+    parser.add_argument(
+        "--append_results",
+        metavar="CSV",
+        help="also append the table's rows to this results table (e.g. benchmarks/results.csv), each row once; the "
+        "hf_apex commit comes from git, else from the environment's HF_APEX_COMMIT",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny models (the default without CUDA)")
     parser.add_argument("--no_plain_loop", action="store_true", help="skip the plain-loop reference runs")
     parser.add_argument(
@@ -279,8 +296,8 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
         str(out),
         "--dataloader_num_workers",
         "2",
-        "--compile_min_steps",  # compiled rows measure the compiled steps; the table says when compilation pays
-        "0",
+        "--stage_recipe",  # compiled rows measure the compiled steps; the table says when compilation pays
+        '{"min_steps": 0}',
     ]
     overrides = tiny["overrides"] if opts.tiny else spec.get("overrides")
     if overrides:
@@ -403,7 +420,9 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     if "--output_dir" in portable:  # where a run is kept is not what it ran: one moved to another --out_dir counts
         portable[portable.index("--output_dir") + 1] = f"<out_dir>/runs/{run_id}"
     # the stage's row too: a run kept from before the row changed (e.g. fastest's compile mode) is not this stage
-    settings = {"nproc": nproc, "finetune": portable, "plain": want_plain, "stage": STAGES[stage].settings()}
+    row = dataclasses.asdict(STAGES[stage])  # its switches and its recipe
+    row.pop("summary", None)
+    settings = {"nproc": nproc, "finetune": portable, "plain": want_plain, "stage": row}
     settings_json = run_dir / "bench_settings.json"
     done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
     seconds = {}  # each process's wall time, start-up and exit included
@@ -503,6 +522,7 @@ def main(argv=None) -> int:
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]
     config["failed_runs"] = failed
+    config["hf_apex_commit"] = hf_apex_commit(REPO)
     config["command"] = " ".join(
         ["python", "recipes/bench.py", *(portable_path(a) if a.startswith("/") else a for a in args)]
     )
@@ -511,6 +531,12 @@ def main(argv=None) -> int:
     print("\nwritten: " + ", ".join(portable_path(p) for p in paths.values()))
     if "png" not in paths:
         print("no chart: install matplotlib (pip install 'hf_apex[plot]') for results.png")
+    if opts.append_results:
+        table = Path(opts.append_results)
+        try:
+            print(appended_message(table, *append_bench(paths["json"], table)))
+        except ValueError as exc:  # no commit known: the outputs stay, to append later with the commit given
+            print(f"bench: not appended to {table}: {exc} (python recipes/bench_report.py append --hf_apex_commit)")
     if failed:
         print(f"\nbench: {len(failed)} run(s) failed and are left out of the table: {', '.join(failed)}")
         return 1

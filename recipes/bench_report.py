@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -150,6 +152,7 @@ class BenchRow:
     eval_metric: str | None = None
     eval_value: float | None = None
     speedup_vs_baseline: float | None = None
+    speedup_ci: tuple[float, float] | None = None  # its 95 % interval, from both rows' step times
     memory_vs_baseline: float | None = None
     loss_delta_vs_baseline: float | None = None
     trainer_overhead: float | None = None  # Trainer p50 / plain-loop p50 - 1
@@ -166,6 +169,8 @@ class BenchRow:
     runs: int = 1  # processes run one after another for this row (bench --repeats); the figures pool them
     timed_steps_ms: Runs | None = None  # per run, the steps after warm-up in order (the intervals come from them)
     plain_loop_timed_steps_ms: Runs | None = None
+    batch_size: int | None = None  # per device
+    seq_len: int | None = None  # the longest sequence of a step (BERT pads to it; causal LMs' blocks)
 
 
 def _backend(calls: dict, fallback: bool, profiled_apex: bool) -> str:
@@ -261,6 +266,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         steps=metrics.get("run", {}).get("steps"),
         timed_steps_ms=as_runs(timed),
         plain_loop_timed_steps_ms=as_runs(plain_timed),
+        batch_size=metrics.get("run", {}).get("per_device_train_batch_size"),
+        seq_len=metrics.get("run", {}).get("seq_len"),
     )
 
 
@@ -277,6 +284,8 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
         b = base.get((r.model, r.world_size))
         if b is not None:
             r.speedup_vs_baseline = _ratio(b.step_time_ms_p50, r.step_time_ms_p50)
+            diff = relative_difference(b.timed_steps_ms, r.timed_steps_ms) if r is not b else None
+            r.speedup_ci = (1 + diff["lo"], 1 + diff["hi"]) if diff else None  # speedup = 1 + (t_base / t - 1)
             r.memory_vs_baseline = _ratio(r.peak_memory_allocated_gib, b.peak_memory_allocated_gib)
             r.loss_delta_vs_baseline = _loss_delta(r, b)
         if r.plain_loop_ms_p50:
@@ -350,6 +359,37 @@ def _f(value, fmt: str, none: str = "–") -> str:
     return none if value is None else format(value, fmt)
 
 
+# A ratio whose spread swamps it says so in its own cell, not only in the note under the table.
+NOISE, NO_INTERVAL = "(noise)", "(noise?)"
+NOISE_LEGEND = (
+    f"{NOISE}: the ratio's 95 % interval holds no difference (a 1× speedup, a 0 % overhead); {NO_INTERVAL}: the row "
+    "has no interval (too few timed steps), so nothing tells the ratio from noise."
+)
+
+
+def noise_mark(value: float | None, interval: tuple | None, none: float) -> str:
+    """What a ratio's cell adds after its value: ``" (noise)"`` where its 95 % ``interval`` holds ``none`` (the value
+    of no difference: 1 for a speedup, 0 for a relative difference), ``" (noise?)"`` where there is no interval,
+    nothing where the interval excludes ``none`` or there is no value."""
+    if value is None:
+        return ""
+    if not interval or None in interval:
+        return f" {NO_INTERVAL}"
+    lo, hi = interval
+    return f" {NOISE}" if lo <= none <= hi else ""
+
+
+def _speedup_text(row: BenchRow) -> str:
+    mark = "" if row.stage == "baseline" else noise_mark(row.speedup_vs_baseline, row.speedup_ci, 1.0)
+    return f"{_f(row.speedup_vs_baseline, '.2f')}×{mark}"
+
+
+def _overhead_text(row: BenchRow) -> str:
+    over = row.trainer_overhead_ci or (None, None)
+    mark = noise_mark(row.trainer_overhead, row.trainer_overhead_ci, 0.0)
+    return f"{_f(row.trainer_overhead, '+.1%')}{_interval_text(*over, '+.1%')}{mark}"
+
+
 def _scaling_text(row: BenchRow) -> str:
     if row.scaling is None:
         return "–"
@@ -373,15 +413,14 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
     for r in rows:
         fb = " (fallback)" if r.backend == "fallback" else ""
         ci = r.step_time_ms_ci or (None, None)
-        over = r.trainer_overhead_ci or (None, None)
         gpus = f" {r.world_size} |" if multi else ""
         scaling = f" {_scaling_text(r)} |" if multi else ""
         lines.append(
             f"| {r.model} | {r.stage}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
-            f"{_f(r.tokens_per_s, ',.0f')} | {_f(r.speedup_vs_baseline, '.2f')}× | "
+            f"{_f(r.tokens_per_s, ',.0f')} | {_speedup_text(r)} | "
             f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
             f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
-            f"{_f(r.trainer_overhead, '+.1%')}{_interval_text(*over, '+.1%')} | {r.kernels_verified} |{scaling}"
+            f"{_overhead_text(r)} | {r.kernels_verified} |{scaling}"
         )
     for c in auto_comparisons(rows):
         gpus = f" ({c['world_size']} GPUs)" if c["world_size"] > 1 else ""
@@ -397,6 +436,8 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
     lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
+    if any(mark in f"{_speedup_text(r)} {_overhead_text(r)}" for r in rows for mark in (NOISE, NO_INTERVAL)):
+        lines.append("\n" + NOISE_LEGEND)
     note = interval_note(rows)
     if note:
         lines.append("\n" + note)
@@ -510,6 +551,334 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict
     return paths
 
 
+# The results table: benchmarks/results.csv, one line per bench row, appended to and never rewritten.
+UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass
+class ResultRow:
+    """One bench row in the results table. Its fields are the table's columns, in order. An empty cell is something
+    the bench did not measure (no VRAM on a CPU, no interval from too few steps); ``unknown``, something its records
+    do not say. Fractions, not percentages: ``mfu``, ``trainer_overhead``."""
+
+    date: str  # UTC start of the row's first run (ISO 8601)
+    gpu: str  # "cpu" without CUDA
+    gpus: int  # processes (GPUs) per run
+    torch: str
+    cuda: str
+    transformers: str
+    accelerate: str
+    apex_commit: str  # the commit of the apex build that ran ("none" without apex)
+    hf_apex_commit: str  # the hf_apex tree that ran ("<commit>-dirty": uncommitted changes in hf_apex/ or recipes/)
+    model: str
+    stage: str
+    backend: str  # apex, apex+torch, torch, or fallback (torch stood in for a missing apex kernel)
+    batch: str  # per-device batch x sequence length, e.g. 128x128
+    runs: int | None  # processes run for the row (bench --repeats); its figures pool them
+    timed_steps: int | None  # per run, after the warm-up
+    step_ms_p50: float | None  # over several runs, the geometric mean of their medians
+    step_ms_ci_lo: float | None  # its 95 % interval
+    step_ms_ci_hi: float | None
+    tokens_per_s: float | None
+    mfu: float | None  # model FLOPs utilisation (the run's mfu_formula)
+    peak_vram_gib: float | None  # peak memory allocated
+    speedup: float | None  # the same bench's baseline row's step time over this row's
+    speedup_ci_lo: float | None
+    speedup_ci_hi: float | None
+    trainer_overhead: float | None  # Trainer step / plain-loop step - 1
+    trainer_overhead_ci_lo: float | None
+    trainer_overhead_ci_hi: float | None
+    command: str  # the bench's command line, repository-relative
+    source: str  # where the row's raw runs are, e.g. `git show <commit>:benchmarks/<folder>/`
+    note: str = ""
+
+
+RESULT_COLUMNS = tuple(f.name for f in dataclasses.fields(ResultRow))
+RESULT_KEY = ("date", "gpu", "gpus", "model", "stage")  # one row of one bench: it is appended once
+_DIGITS = {"step_ms": 4, "tokens_per_s": 0, "mfu": 6, "peak_vram_gib": 3, "speedup": 6, "trainer_overhead": 6}
+
+
+def _cell(name: str, value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        digits = next((d for prefix, d in _DIGITS.items() if name.startswith(prefix)), 4)
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def hf_apex_commit(repo: Path) -> str | None:
+    """The commit of the hf_apex checkout at ``repo``, "-dirty" when hf_apex/ or recipes/ differ from it; else the
+    environment's HF_APEX_COMMIT (a machine without the repository's history); else None."""
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short=7", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hf_apex", "recipes").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("HF_APEX_COMMIT") or None
+    return f"{commit}-dirty" if dirty else commit
+
+
+def _apex_commit(provenance: dict) -> str:
+    apex = provenance.get("apex") or {}
+    if not apex.get("installed"):
+        return "none"
+    return (apex.get("commit") or UNKNOWN).split()[0]
+
+
+def _run_shape(folder: Path | None, model: str, stage: str) -> str | None:
+    """``batch x seq`` from the first run of a row kept beside its results.json (``runs/``), if any."""
+    if folder is None:
+        return None
+    runs = folder / "runs"
+    for path in (runs / f"{model}-{stage}" / "hf_apex_metrics.json", runs / f"{model}-{stage}.json"):
+        if path.is_file():
+            run = json.loads(path.read_text()).get("run") or {}
+            if run.get("per_device_train_batch_size") and run.get("seq_len"):
+                return f"{run['per_device_train_batch_size']}x{run['seq_len']}"
+    return None
+
+
+def _bench_row(record: dict) -> BenchRow:
+    """A row of a results.json back as a :class:`BenchRow` (fields it lacks, from older benches, at their defaults)."""
+    fields = {f.name: f for f in dataclasses.fields(BenchRow)}
+    missing = {n: None for n, f in fields.items() if f.default is dataclasses.MISSING and n not in record}
+    return BenchRow(
+        **missing, **{k: tuple(v) if k.endswith("_ci") and v else v for k, v in record.items() if k in fields}
+    )
+
+
+def result_rows(
+    document: dict,
+    *,
+    commit: str | None = None,
+    source: str = "",
+    note: str = "",
+    folder: Path | None = None,
+    batch: dict[str, str] | None = None,
+) -> list[ResultRow]:
+    """The results table's rows for a bench's results.json ``document``. ``commit``: the hf_apex commit that ran,
+    where the document does not say it (its ``config.hf_apex_commit``, recorded since the table began); ``folder``:
+    where the document lies, whose ``runs/`` give a row's batch shape where the row does not; ``batch``: per model,
+    ``BxS`` where neither does."""
+    config = document.get("config") or {}
+    commit = commit or config.get("hf_apex_commit")
+    if not commit:
+        raise ValueError("the bench does not say which hf_apex commit ran: give it (or 'unknown')")
+    rows = add_ratios([_bench_row(r) for r in document["rows"]])
+    out = []
+    for row in rows:
+        prov = row.provenance or {}
+        timed = as_runs(row.timed_steps_ms)
+        if row.batch_size and row.seq_len:
+            shape = f"{row.batch_size}x{row.seq_len}"
+        else:
+            shape = _run_shape(folder, row.model, row.stage) or (batch or {}).get(row.model) or UNKNOWN
+        steps = config.get("steps") if isinstance(config.get("steps"), int) else None
+        ci = row.step_time_ms_ci or (None, None)
+        speedup_ci = (row.speedup_ci or (None, None)) if row.stage != "baseline" else (None, None)
+        over = row.trainer_overhead_ci or (None, None)
+        out.append(
+            ResultRow(
+                date=prov.get("date") or UNKNOWN,
+                gpu=prov.get("gpu") or "cpu",
+                gpus=row.world_size,
+                torch=prov.get("torch") or UNKNOWN,
+                cuda=prov.get("cuda") or ("" if not prov.get("gpu") else UNKNOWN),
+                transformers=prov.get("transformers") or UNKNOWN,
+                accelerate=prov.get("accelerate") or UNKNOWN,
+                apex_commit=_apex_commit(prov),
+                hf_apex_commit=commit,
+                model=row.model,
+                stage=row.stage,
+                backend=row.backend,
+                batch=shape,
+                runs=len(timed) if timed else None,
+                timed_steps=len(timed[0]) if timed else steps,
+                step_ms_p50=row.step_time_ms_p50,
+                step_ms_ci_lo=ci[0],
+                step_ms_ci_hi=ci[1],
+                tokens_per_s=row.tokens_per_s,
+                mfu=row.mfu,
+                peak_vram_gib=row.peak_memory_allocated_gib,
+                speedup=row.speedup_vs_baseline,
+                speedup_ci_lo=speedup_ci[0],
+                speedup_ci_hi=speedup_ci[1],
+                trainer_overhead=row.trainer_overhead,
+                trainer_overhead_ci_lo=over[0],
+                trainer_overhead_ci_hi=over[1],
+                command=config.get("command") or UNKNOWN,
+                source=source,
+                note=note,
+            )
+        )
+    return out
+
+
+def read_results(path: Path) -> list[dict]:
+    """The results table's rows (as strings), after checking that its columns are :data:`RESULT_COLUMNS`."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
+            raise ValueError(f"{path}: its columns are not the results table's ({', '.join(RESULT_COLUMNS)})")
+        return list(reader)
+
+
+def append_results(path: Path, rows: list[ResultRow]) -> tuple[list[ResultRow], list[ResultRow]]:
+    """Append ``rows`` to the results table at ``path`` (made, with its header, if missing), except rows it holds
+    already: the same ``RESULT_KEY`` (one bench row appended twice, or carried into another bench by
+    ``--skip_existing``). Returns (appended, refused)."""
+    existing = read_results(path) if path.is_file() else []
+    seen = {tuple(r[k] for k in RESULT_KEY) for r in existing}
+    added, refused = [], []
+    for row in rows:
+        key = tuple(_cell(k, getattr(row, k)) for k in RESULT_KEY)
+        (refused if key in seen else added).append(row)
+        seen.add(key)
+    if added:
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            if new:
+                writer.writerow(RESULT_COLUMNS)
+            writer.writerows([_cell(k, getattr(r, k)) for k in RESULT_COLUMNS] for r in added)
+    return added, refused
+
+
+def append_bench(
+    results_json: Path, table: Path, *, commit=None, source=None, note="", batch=None, models=None, stages=None
+) -> tuple[list[ResultRow], list[ResultRow]]:
+    """:func:`append_results` of a finished bench's results.json (e.g. a GPU machine's ``.bench``, unpacked here)."""
+    from hf_apex.kernels.availability import portable_path
+
+    document = json.loads(results_json.read_text())
+    folder = results_json.parent
+    rows = result_rows(
+        document, commit=commit, source=source or portable_path(str(folder)), note=note, folder=folder, batch=batch
+    )
+    rows = [r for r in rows if (not models or r.model in models) and (not stages or r.stage in stages)]
+    return append_results(table, rows)
+
+
+def appended_message(table: Path, added: list[ResultRow], refused: list[ResultRow]) -> str:
+    lines = [f"{table}: {len(added)} row(s) appended"]
+    if refused:
+        names = ", ".join(f"{r.model} {r.stage} ({r.date})" for r in refused)
+        key = ", ".join(RESULT_KEY)
+        lines.append(f"{len(refused)} row(s) already in the table (the same {key}), not appended: {names}")
+    return "\n".join(lines)
+
+
+def format_results(rows: list[dict]) -> str:
+    """Rows of the results table (as :func:`read_results` gives them) as a markdown table, the provenance they share
+    above it, with the same marks as the bench's own table where a ratio's spread swamps it."""
+
+    def num(row, name):
+        return float(row[name]) if row.get(name) not in (None, "") else None
+
+    def interval(row, name, fmt):
+        lo, hi = num(row, f"{name}_ci_lo"), num(row, f"{name}_ci_hi")
+        return _interval_text(lo, hi, fmt), (lo, hi) if lo is not None and hi is not None else None
+
+    shared = [c for c in ("gpu", "torch", "transformers", "accelerate", "apex_commit", "hf_apex_commit", "command")]
+    head = []
+    for column in shared:
+        values = list(dict.fromkeys(r[column] for r in rows))
+        head.append(f"- {column}: " + "; ".join(f"`{v}`" if column == "command" else v for v in values))
+    dates = sorted(r["date"] for r in rows)
+    head.insert(0, f"- date (UTC): {dates[0]} to {dates[-1]}" if len(dates) > 1 else f"- date (UTC): {dates[0]}")
+    lines = [
+        "| model | stage | batch | runs × steps | step ms p50 [95% CI] | tokens/s | speedup [95% CI] | peak VRAM GiB "
+        "| MFU | Trainer overhead [95% CI] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    marked = False
+    for r in rows:
+        step_ci, _ = interval(r, "step_ms", ".1f")
+        speedup = num(r, "speedup")
+        speedup_ci_text, speedup_ci = interval(r, "speedup", ".2f")
+        mark = "" if r["stage"] == "baseline" else noise_mark(speedup, speedup_ci, 1.0)
+        over = num(r, "trainer_overhead")
+        over_ci_text, over_ci = interval(r, "trainer_overhead", "+.1%")
+        over_mark = noise_mark(over, over_ci, 0.0)
+        marked = marked or bool(mark or over_mark)
+        speedup_text = f"{_f(speedup, '.2f')}×{speedup_ci_text}{mark}" if speedup is not None else "–"
+        fb = " (fallback)" if r["backend"] == "fallback" else ""
+        lines.append(
+            f"| {r['model']} | {r['stage']}{fb} | {r['batch']} | {r['runs'] or '?'} × {r['timed_steps'] or '?'} | "
+            f"{_f(num(r, 'step_ms_p50'), '.1f')}{step_ci} | {_f(num(r, 'tokens_per_s'), ',.0f')} | {speedup_text} | "
+            f"{_f(num(r, 'peak_vram_gib'), '.2f')} | {_f(num(r, 'mfu'), '.1%')} | "
+            f"{_f(over, '+.1%')}{over_ci_text}{over_mark} |"
+        )
+    notes = list(dict.fromkeys(r["note"] for r in rows if r["note"]))
+    tail = ([NOISE_LEGEND] if marked else []) + [f"Note: {n}" for n in notes]
+    return "\n".join(head + [""] + lines + ([""] + tail if tail else []))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="The results table (benchmarks/results.csv): append a finished bench's rows, or show some.",
+        epilog="e.g. python recipes/bench_report.py append .bench/results.json --to benchmarks/results.csv "
+        "--hf_apex_commit $(git rev-parse --short=7 HEAD)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("append", help="append a results.json's rows to the table (each row once)")
+    add.add_argument("results_json", type=Path)
+    add.add_argument("--to", type=Path, default=Path("benchmarks/results.csv"), help="the table (%(default)s)")
+    add.add_argument(
+        "--hf_apex_commit",
+        help="the hf_apex commit the bench ran, where its results.json does not record it, or 'unknown'",
+    )
+    add.add_argument("--source", help="where the raw runs are kept (default: the results.json's folder)")
+    add.add_argument("--note", default="", help="a caveat for these rows")
+    add.add_argument("--models", nargs="+", help="only these models' rows")
+    add.add_argument("--stages", nargs="+", help="only these stages' rows")
+    add.add_argument(
+        "--batch", action="append", default=[], metavar="MODEL=BxS", help="batch shape where the records lack it"
+    )
+    show = sub.add_parser("show", help="print rows of the table as markdown, with what they share above them")
+    show.add_argument("--table", type=Path, default=Path("benchmarks/results.csv"), help="(%(default)s)")
+    show.add_argument("--source", help="rows whose source contains this, e.g. h200-2026-12-02-whole")
+    show.add_argument("--date", help="rows whose date starts with this, e.g. 2026-12-03")
+    show.add_argument("--models", nargs="+")
+    show.add_argument("--stages", nargs="+")
+    opts = parser.parse_args(argv)
+    if opts.command == "show":
+        rows = [
+            r
+            for r in read_results(opts.table)
+            if (not opts.source or opts.source in r["source"])
+            and (not opts.date or r["date"].startswith(opts.date))
+            and (not opts.models or r["model"] in opts.models)
+            and (not opts.stages or r["stage"] in opts.stages)
+        ]
+        if not rows:
+            parser.error("no row of the table matches")
+        print(format_results(rows))
+        return 0
+    batch = dict(b.split("=", 1) for b in opts.batch)
+    try:
+        added, refused = append_bench(
+            opts.results_json,
+            opts.to,
+            commit=opts.hf_apex_commit,
+            source=opts.source,
+            note=opts.note,
+            batch=batch,
+            models=opts.models,
+            stages=opts.stages,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(appended_message(opts.to, added, refused))
+    return 0 if added or not refused else 1
+
+
 # Bar colours by what ran: torch only, apex kernels (alone or with torch where autotune chose it), torch fallbacks.
 COLOURS = {"torch": "#888888", "apex": "#76b900", "apex+torch": "#4f8a10", "fallback": "#e69f00"}
 
@@ -576,3 +945,7 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
