@@ -25,13 +25,16 @@ BENCH_REPEATS ?=
 BENCH_WARMUP ?=
 BENCH_BATCH ?=
 BENCH_DIR ?= .bench
+# BENCH_RESULTS=benchmarks/results.csv: also append the table's rows to the results table (benchmarks/README.md)
+BENCH_RESULTS ?=
 BENCH_ARGS ?=
 
 # the flags of recipes/bench.py that the BENCH_* variables set (one line when make echoes the command)
 BENCH_FLAGS = --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODELS)) \
   $(if $(BENCH_STAGES),--stages $(BENCH_STAGES)) $(if $(BENCH_NPROC),--nproc $(BENCH_NPROC)) \
   $(if $(BENCH_STEPS),--steps $(BENCH_STEPS)) $(if $(BENCH_WARMUP),--warmup $(BENCH_WARMUP)) \
-  $(if $(BENCH_REPEATS),--repeats $(BENCH_REPEATS)) $(foreach b,$(BENCH_BATCH),--batch $(b)) $(BENCH_ARGS)
+  $(if $(BENCH_REPEATS),--repeats $(BENCH_REPEATS)) $(foreach b,$(BENCH_BATCH),--batch $(b)) \
+  $(if $(BENCH_RESULTS),--append_results $(BENCH_RESULTS)) $(BENCH_ARGS)
 
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
