@@ -1,23 +1,23 @@
 #!/bin/bash
-# One device-machine call of a GPU session, as the 2026-12-01 ladder ran (benchmarks/h200-2026-12-01-ladder):
+# One device-machine call of a GPU session (benchmarks/README.md):
 #   DEADLINE=570 bash benchmarks/scripts/device_session.sh STEP...   (run from the repository root, `.deps` carried)
 # steps: smi (the GPU's clocks, power and throttle reasons sampled every 200 ms from here on, into smi.csv in bench.tgz) |
 # setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
-# to skip the build next session; never commit them) | testgpu | fast (the fastest-rung loss
-# test) | pytest:<test>[,<test>...] (those GPU tests alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with
-# HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) | sdpa | losschunk (benchmarks/scripts/loss_chunk.py; LC_VARIANTS: its --variants) | rowkernel
-# (benchmarks/scripts/row_kernel.py; RK_VARIANTS: its --variants) | attnstep:<model>[:nodrop]
-# (benchmarks/scripts/attention_in_step.py) | cupti
-# (benchmarks/scripts/cupti_sequences.py) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row;
-# HP_FLAGS: more recipes/finetune.py flags) |
+# to skip the build next session; never commit them) | testgpu (make test-gpu) | testgpuslow (make test-gpu-slow: the
+# long loss-curve tests) | fast (tests/gpu/test_fast_stage_gpu.py alone) | pytest:<test>[,<test>...] (those GPU tests
+# alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) |
+# sdpa (benchmarks/scripts/sdpa_backends.py) | rowkernel (benchmarks/scripts/row_kernel.py; RK_VARIANTS: its
+# --variants) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row; HP_FLAGS: more
+# recipes/finetune.py flags) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
 # that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
 # e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead; a flag +NAME=VALUE sets an environment
 # variable for that run instead, e.g. +WRAPPER=benchmarks/scripts/with_config.py,+TORCH_CONFIG=torch._functorch.config.activation_memory_budget=0.5) |
-# resume:<benchmarks/folder>[:<stage,stage>] (its runs/ into .bench/runs, not overwriting; with
-# stages, only those stages' runs, so that the others run again) |
+# resume:<folder>[:<stage,stage>] (the runs/ of an earlier bench into .bench/runs, not overwriting: an unpacked
+# bench.tgz's .bench, or a committed folder exported from git history into .deps; with stages, only those stages'
+# runs, so that the others run again) |
 # bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
 # once every row is kept, else it runs what is missing until the deadline) |
 # pbench:<models>/<models>[/...][:<stage,stage>] (on a machine of several GPUs, one make bench per GPU at once, GPU i
@@ -26,16 +26,19 @@
 # writes the one table; the benches share the host's cores, which host-bound rows (BERT's eager ones) may feel).
 # DEADLINE: seconds for the whole call (the call's limit_s less ~30 s: it shrinks as device time runs out); each step
 # gets what is left, and .bench (with any .bench-gpu<i>) is packed into $OUT/bench.tgz on the way out, the variants'
-# outputs and logs into $OUT/variants.tgz.
+# outputs and logs into $OUT/variants.tgz. HF_APEX_COMMIT (the commit of the tree sent, as `git rev-parse --short=7
+# HEAD` gives it here) is recorded in the bench's results.json, for `python recipes/bench_report.py append`.
 # Needs in .deps/: apex/ (a git archive of the apex commit), data/ (a copy of ../shared/data), whl/ (the wheels of
-# ../shared/tools/gpu-wheels: datasets and its two dependencies). TG_ARGS: more pytest flags for testgpu.
+# ../shared/tools/gpu-wheels: datasets and its two dependencies). TG_ARGS: more pytest flags for testgpu and
+# testgpuslow. SITE: where the wheels and apex are installed (default build/site, which stays on a warm machine).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DEADLINE=${DEADLINE:-570}
 left() { echo $((DEADLINE - SECONDS)); }
-[ -d /tmp/site/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .deps/whl/*.whl
-export PYTHONPATH=/tmp/site
+SITE=${SITE:-$PWD/build/site}
+[ -d $SITE/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .deps/whl/*.whl
+export PYTHONPATH=$SITE
 pack() {
   [ -z "$SMI_PID" ] || kill $SMI_PID 2> /dev/null
   [ -f $OUT/smi.csv ] && mkdir -p .bench && mv $OUT/smi.csv .bench/smi.csv  # (in bench.tgz: files come back up to a count)
@@ -53,7 +56,7 @@ for step in "$@"; do
     setup)
       make install OFFLINE=1 2>&1 | tail -2
       if ls .deps/apex-prebuilt/*.part-* > /dev/null 2>&1; then  # a build of an earlier session (step apexpack)
-        cat .deps/apex-prebuilt/*.part-* | tar xzf - -C /tmp/site && echo "apex: the prebuilt copy in .deps/apex-prebuilt"
+        cat .deps/apex-prebuilt/*.part-* | tar xzf - -C $SITE && echo "apex: the prebuilt copy in .deps/apex-prebuilt"
       fi
       if ! python3 -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
         # only the extensions hf_apex loads (all twelve took 153-179 s to compile here); all of them if that fails
@@ -77,8 +80,12 @@ for step in "$@"; do
       ls -la $OUT/apex-prebuilt.tgz.part-*;;
     testgpu)
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) make test-gpu OFFLINE=1 \
-        PYTEST_ARGS="--ignore=tests/gpu/test_fast_stage_gpu.py -p no:cacheprovider -rfEs --durations=20 --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
+        PYTEST_ARGS="-p no:cacheprovider -rfEs --durations=20 --timeout 150 $TG_ARGS" > $OUT/test-gpu.log 2>&1
       echo "test-gpu rc $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $OUT/test-gpu.log | tail -25;;
+    testgpuslow)
+      HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) make test-gpu-slow OFFLINE=1 \
+        PYTEST_ARGS="-p no:cacheprovider -rfEs --durations=20 $TG_ARGS" > $OUT/test-gpu-slow.log 2>&1
+      echo "test-gpu-slow rc $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $OUT/test-gpu-slow.log | tail -25;;
     fast)
       HF_APEX_REQUIRE_KERNELS=1 HF_APEX_DATA_DIR=$PWD/.deps/data timeout -k 10 $(left) python3 -m pytest -p no:cacheprovider \
         -rfEs tests/gpu/test_fast_stage_gpu.py > $OUT/test-fast.log 2>&1
@@ -92,10 +99,6 @@ for step in "$@"; do
     sdpa)
       timeout -k 10 $(left) python3 benchmarks/scripts/sdpa_backends.py $OUT/sdpa.json --kernels > $OUT/sdpa.log 2>&1
       echo "sdpa rc $?"; grep -v "^  " $OUT/sdpa.log | tail -30;;
-    losschunk)
-      timeout -k 10 $(left) python3 benchmarks/scripts/loss_chunk.py --out $OUT/loss_chunk.json \
-        ${LC_VARIANTS:+--variants "$LC_VARIANTS"} > $OUT/loss_chunk.log 2>&1
-      echo "losschunk rc $?"; cut -c1-200 $OUT/loss_chunk.log | grep -v "^\[" | tail -60;;
     rowkernel)  # benchmarks/scripts/row_kernel.py (RK_VARIANTS: its --variants)
       timeout -k 10 $(left) python3 benchmarks/scripts/row_kernel.py --out $OUT/row_kernel.json \
         ${RK_VARIANTS:+--variants "$RK_VARIANTS"} > $OUT/row_kernel.log 2>&1
@@ -107,14 +110,6 @@ for step in "$@"; do
       env "${envs[@]}" MODEL=$model timeout -k 10 $(left) python3 benchmarks/scripts/run_variant.py $name 1 $stage $steps \
         "${args[@]}" > $OUT/variant-$name.out 2>&1
       echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;
-    attnstep:*)  # attnstep:<model>[:nodrop]: benchmarks/scripts/attention_in_step.py (attention in the step and alone)
-      IFS=: read -r _ model nodrop <<< "$step"
-      timeout -k 10 $(left) python3 benchmarks/scripts/attention_in_step.py --model $model ${nodrop:+--no_dropout} \
-        --out $OUT/attnstep-$model${nodrop:+-nodrop}.json > $OUT/attnstep-$model${nodrop:+-nodrop}.log 2>&1
-      echo "attnstep $model $nodrop rc $?"; grep -vE "^ {20}" $OUT/attnstep-$model${nodrop:+-nodrop}.log | tail -14;;
-    cupti)
-      timeout -k 10 $(left) python3 benchmarks/scripts/cupti_sequences.py $OUT/cupti.json > $OUT/cupti.log 2>&1
-      echo "cupti rc $?"; cut -c1-240 $OUT/cupti.log;;
     hostprof:*)  # hostprof:<model>:<stage>[:plain]: benchmarks/scripts/host_profile.py on the bench's run of that row
       IFS=: read -r _ model stage plain <<< "$step"
       flags=$(python3 -c "import sys, pathlib; sys.path.insert(0, 'recipes'); import bench

@@ -21,12 +21,13 @@ second pass that reads the row again and writes the gradient over it. At 4,096 r
 Each variant's losses and gradient are checked against torch's FP32 cross-entropy on the same logits (the gradient to
 BF16's rounding (the script exits non-zero if one is off), then timed: `--rounds` rounds over the variants in turn,
 each `--calls` calls back to back between two CUDA events (the kernel writes over its input, so later calls read
-gradients, not logits: the same bytes and the same exps). On an H200 (benchmarks/h200-2026-12-03-bench, an earlier
-harness that timed single synchronised calls, launch included) 2,048 columns a load and 4 warps took 0.411 ms against
-0.430 at 4,096 and 8; the rewrites, at 4,096 and 8, were all slower. Later (benchmarks/h200-2026-12-03-vector)
-hf_apex's kernel took 0.396 ms with its loads masked at the vocabulary (50,257 columns: Triton then loads 2 bytes at a
-time) and 0.349 masked at the padded width (16-byte loads); `whole` took 0.560 at 32 warps and 0.581 at 16 (its
-registers spill), `whole16` 0.977.
+gradients, not logits: the same bytes and the same exps). On an H200 (`git show
+46ca0e8:benchmarks/h200-2026-12-03-bench/`, an earlier harness that timed single synchronised calls, launch included)
+2,048 columns a load and 4 warps took 0.411 ms against 0.430 at 4,096 and 8; the rewrites, at 4,096 and 8, were all
+slower. Later (`46ca0e8:benchmarks/h200-2026-12-03-vector/`, benchmarks/reports/h200-fastest.md) hf_apex's kernel
+took 0.396 ms with its loads masked at the vocabulary (50,257 columns: Triton then loads 2 bytes at a time) and 0.349
+masked at the padded width (16-byte loads); `whole` took 0.560 at 32 warps and 0.581 at 16 (its registers spill),
+`whole16` 0.977.
 """
 
 import argparse

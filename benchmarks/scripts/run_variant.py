@@ -5,7 +5,7 @@ MODEL (default gpt2) picks `make bench`'s model and shape, on the data in .deps/
 Flags after STEPS override the bench's (the last wins; for Llama, a --config_overrides replaces the bench's), e.g.
 `--torch_compile_mode reduce-overhead` or `--attention_backend flash`. Environment variables pass through;
 WRAPPER=<script> runs finetune.py through it (`python WRAPPER recipes/finetune.py ...`, e.g.
-benchmarks/scripts/contiguous_heads.py)."""
+benchmarks/scripts/with_config.py)."""
 
 import json
 import os

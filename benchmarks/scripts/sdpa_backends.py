@@ -16,8 +16,8 @@ profile of GPT-2 `fastest` on an H200, 2026-12-01: cuDNN's kernels took 13.6 of 
 (torch.profiler, CUDA activity) and print the kernels it ran with their device times, to set beside a training
 step's profile. In GPT-2's `fastest` step cuDNN ran `..._flash_fprop_wgmma_f16_knob_7_...` (0.45 ms) and
 `..._flash_bprop_wgmma_f16_knob_26_...` (0.63 ms) per layer: 1.08 ms, about 1.7 times the 0.65 ms that these
-timings gave the whole call in GPT-2's layout (`../h200-2026-12-01-ladder/second-session/sdpa.log`). A different
-plan would show here.
+timings gave the whole call in GPT-2's layout (`git show
+46ca0e8:benchmarks/h200-2026-12-01-ladder/second-session/sdpa.log`). A different plan would show here.
 """
 
 import json
