@@ -75,12 +75,13 @@ _CAUSAL_LM = dict(
     batch=16,
     eval_samples=64,
     steps=60,
-    # FP32 steps are device-bound and steady: in every FP32 run of benchmarks/h200-2026-12-01-whole the median of
-    # the first 20 timed steps was within 0.01 % of all 30's
+    # FP32 steps are device-bound and steady: in every FP32 run of the 2026-12-01 whole bench the median of the
+    # first 20 timed steps was within 0.01 % of all 30's (raw runs: git show 46ca0e8:benchmarks/h200-2026-12-01-whole)
     fp32_steps=20,
     # The rows `auto` is judged against, and `auto`: 3 runs each, in rounds. On an H200 (2026-12-01) a one-run Llama
     # `auto` row shifted from 89 to 96 ms at its 28th step, and its plain loop ran slow throughout, with the very
-    # kernels of `fused_full` (benchmarks/h200-2026-12-01-masks): one run cannot tell such a spell from a choice.
+    # kernels of `fused_full` (46ca0e8:benchmarks/h200-2026-12-01-masks): one run cannot tell such a spell from a
+    # choice.
     repeats=3,
     repeat_stages=("fused_full", "torch_fused", "auto"),
 )
@@ -95,8 +96,8 @@ MODELS = {
         # BF16: ~35 ms host-bound steps that slow down in bursts, and differ by up to 10 % from one process to the
         # next: 3 runs of 100 steps each, interleaved with the other stages' (tests/test_bench.py). `fastest`'s
         # steps replay CUDA graphs and are device-bound: on an H200 its Trainer run and two plain loops took 26.52,
-        # 26.53 and 26.54 ms (benchmarks/h200-2026-12-01-cuda-graphs), so one run. FP32: ~200 ms device-bound steady
-        # steps, one run of 20.
+        # 26.53 and 26.54 ms (46ca0e8:benchmarks/h200-2026-12-01-cuda-graphs), so one run. FP32: ~200 ms
+        # device-bound steady steps, one run of 20.
         steps=100,
         repeats=3,
         repeat_stages=("fused_full", "torch_fused", "compiled", "auto"),

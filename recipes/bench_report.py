@@ -16,11 +16,11 @@ import numpy as np
 LOSS_TAIL = 5  # losses averaged at the end of a run for the loss comparison
 # Intervals (95 %). Processes differ: on an H200 on 2026-12-01 two plain-loop runs of BERT's fused_full
 # configuration (host-bound BF16 steps) took 36.9 and 40.9 ms p50 in one bench, and within a run the eager BERT
-# step shifts level for tens of steps at a time (benchmarks/h200-2026-11-30-ladder/runs). So a row of several runs
-# (bench --repeats) is summed up by the run medians: its p50 is their geometric mean, its interval a t-interval of
-# their logarithms, and two rows with as many runs are compared run by run (run i of each ran in the same round of
-# the bench), else by Welch's interval. A row of one run can only show its own spread: a moving-block bootstrap of
-# the median over its steps, in blocks of BLOCK steps (slow steps come in bursts); the table says so.
+# step shifts level for tens of steps at a time (46ca0e8:benchmarks/h200-2026-11-30-ladder/runs). So a row of
+# several runs (bench --repeats) is summed up by the run medians: its p50 is their geometric mean, its interval a
+# t-interval of their logarithms, and two rows with as many runs are compared run by run (run i of each ran in the
+# same round of the bench), else by Welch's interval. A row of one run can only show its own spread: a moving-block
+# bootstrap of the median over its steps, in blocks of BLOCK steps (slow steps come in bursts); the table says so.
 BLOCK, RESAMPLES, LEVEL = 10, 4000, 0.95
 # Rows compared with auto: it should be no slower than the faster of these.
 AUTO_RIVALS = ("fused_full", "torch_fused")
