@@ -38,13 +38,14 @@ BENCH_FLAGS = --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODEL
 
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
-.PHONY: help install apex doctor bench test test-gpu test-perf lint style clean
+.PHONY: help install apex doctor bench test test-gpu test-gpu-slow test-perf lint style clean
 
 help:
 	@echo "make install     install hf_apex (+dev and plot extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder (CUDA: BERT, GPT-2, Llama; CPU: tiny BERT, GPT-2): table, CSV/JSON, chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
-	@echo "make test-gpu    GPU tests (pytest -m 'gpu and not perf'): needs CUDA and apex's kernels"
+	@echo "make test-gpu    GPU tests but the long loss curves (pytest -m 'gpu and not slow and not perf'): CUDA and apex"
+	@echo "make test-gpu-slow  the long GPU loss-curve tests (pytest -m 'gpu and slow'), real data from ../shared/data"
 	@echo "make test-perf   timing assertions on the GPU (pytest -m perf)"
 	@echo "make apex        build NVIDIA Apex from source with its C++/CUDA extensions (APEX_SRC=<checkout>; APEX_EXTENSIONS=hf_apex: only the two hf_apex loads)"
 	@echo "make doctor      which apex kernels are available, with a runtime proof"
@@ -81,7 +82,10 @@ test: install
 	$(PYTHON) -m pytest -m "not gpu" tests $(PYTEST_ARGS)
 
 test-gpu: install
-	$(PYTHON) -m pytest -m "gpu and not perf" tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -m "gpu and not slow and not perf" tests $(PYTEST_ARGS)
+
+test-gpu-slow: install
+	$(PYTHON) -m pytest -m "gpu and slow and not perf" tests $(PYTEST_ARGS)
 
 test-perf: install
 	$(PYTHON) -m pytest -m perf tests $(PYTEST_ARGS)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "ApexTrainingArguments": "training_args",
     "STAGES": "stages",
     "StageConfig": "stages",
+    "StageRecipe": "stages",
     "StageMetricsCallback": "measure.callback",
     "RewireReport": "kernels.surgery",
     "rewire": "kernels.surgery",
@@ -27,7 +28,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:
     from .kernels.surgery import RewireReport, rewire, unrewire
     from .measure.callback import StageMetricsCallback
-    from .stages import STAGES, StageConfig
+    from .stages import STAGES, StageConfig, StageRecipe
     from .trainer import ApexTrainer
     from .training_args import ApexTrainingArguments
 

@@ -281,9 +281,8 @@ class NormTrial:
     backward alone.
 
     Those passes measure the device well, but not the host work of the rest of a step (optimizer, clipping, the
-    Trainer's own), and where a step is host-bound that decides: on an H200, BERT-base 128 × 128's passes took 36.3 ms
-    with apex's norms and 40.4 ms with torch's, yet its training steps took 47–52 ms with apex's (host-bound) and
-    35–42 ms with torch's (``benchmarks/h200-2026-12-01-whole``). So the next optimizer steps run in blocks of
+    Trainer's own), and where a step is host-bound that decides: the faster passes can make the slower steps. So the
+    next optimizer steps run in blocks of
     :data:`TRIAL_BLOCK`, the passes' choice and the other backend in turns (:data:`TRIAL_ORDER`), timed as the stage
     metrics time steps (start to next start, CUDA events, one sync at the end). Each block's first step, the switch,
     is left out; the backend with the lower median step stays for the rest of the run. Where the steps cannot tell
@@ -344,8 +343,7 @@ class NormTrial:
         :data:`TRIAL_TIE` of the faster one's, or by less than the steps' own spread (each backend's median
         absolute deviation from its median, the larger of the two). Where a step waits on a host whose speed
         changes for tens of steps at a time, all of the trial's steps can fall in one slow stretch, in which both
-        backends take the same time (on an H200, BERT-base 128 x 128: torch 60.1 against apex 60.4 ms, steps from
-        51.7 to 92.9 ms; benchmarks/h200-2026-12-02-bert-rounds)."""
+        backends take the same time."""
         kept, medians = self.kept(), self.medians()
         if len(kept) < 2:
             return False

@@ -7,34 +7,20 @@ trainers in one process share none of it.
 Override points (each calls ``super()`` and can be replaced alone):
 
 - ``rewire_model(model)``: the norm surgery applied to the model given to ``__init__`` and to every model
-  ``model_init`` produces (the Trainer re-creates it in ``train()``), before any DDP or compile wrapping.
+  ``model_init`` produces, before any DDP or compile wrapping.
 - ``fuse_loss(model)``: the same for ``fused_linear_cross_entropy`` (the causal-LM loss without logits).
 - ``get_optimizer_cls_and_kwargs(args, model)``: apex FusedAdam/FusedLAMB when ``args.apex_optimizer`` asks.
 - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
 
-Thin overrides of ``Trainer`` methods, each calling ``super()``: ``__init__`` (runs eager when the run is too short to
-repay compilation, see ``compile_min_steps``, or when the ``cudagraphs`` backend has no GPU, see
-:func:`why_not_compile`; wraps the data collator so that an all-ones attention mask is left out, see
-``drop_full_attention_mask``), ``train`` (starts a run: strict FP32 when ``tf32=False``, fresh autotune decisions or
-those of the checkpoint resumed, the model rewired again for this trainer's switches, and until it returns the model's
-SDPA masks decided without reading a tensor; compiled, Dynamo's graphs dropped when they were compiled under other
-compile settings, see :func:`compile_under_own_settings`), ``training_step`` (under those masks a batch without
-``position_ids`` runs as one sequence per row, see :func:`~hf_apex.kernels.attention.one_sequence_per_row`; compiled,
-under this run's compile settings, see :func:`compiled_step_settings`; the run's first step leaves accelerate's
-FP32 conversion of the model's outputs out, see ``fp32_outputs``; with autotune in an eager run, it first times the
-model's forward and backward on its batch with apex's norms and with torch's, see :meth:`Autotuner.choose_norms`, and
-in a long run checks that choice on the whole steps that follow, see :class:`~hf_apex.autotune.NormTrial`; and names
-``--ddp_find_unused_parameters true`` when DDP stops on an unused parameter), ``create_optimizer`` (under a compile
-mode or backend that records CUDA graphs, each optimizer step marks the start of the next, see ``uses_cuda_graphs``),
-``prediction_step`` (under the SDPA backend chosen, and one sequence per row as above; under CUDA graphs, it keeps a
-copy of each batch's logits, whose memory the next replay reuses), ``call_model_init`` (rewires each new model),
-``_save_checkpoint`` (writes the autotune decisions into the checkpoint) and ``evaluate`` (both leave their step out of
-autotune's trial on whole steps), ``floating_point_ops`` (counts the parameters once, not on every micro-batch),
-``_maybe_log_save_evaluate`` (on one process, a logging step's loss and gradient norm are copied to the host without
-blocking and logged at the end of the next step, see :class:`HostCopy`) and ``log`` (merges the stage metrics of the
-current logging window; local, no collective).
-With plain ``TrainingArguments`` it behaves like ``Trainer``, except that a compile mode with CUDA graphs gets the step
-marks and the logits' copies it needs, and is refused with gradient accumulation.
+What the ``Trainer`` overrides add, each in a line where it is defined: ``__init__`` runs eager where compiling would
+not repay itself (:func:`why_not_compile`) and leaves all-ones attention masks out (:class:`DropFullAttentionMask`);
+``train`` starts a run (strict FP32, autotune decisions, the model's switches, SDPA masks decided without reading a
+tensor, this run's compile settings) and undoes what it set when it returns; ``training_step`` runs under those
+settings and makes the run's one-off decisions on its first batch; ``create_optimizer`` marks CUDA-graph steps;
+``prediction_step`` copies logits out of CUDA-graph memory; ``_maybe_log_save_evaluate`` reads a logging step's loss a
+step later (:class:`HostCopy`); ``log`` merges the stage metrics. With plain ``TrainingArguments`` it behaves like
+``Trainer``, except that a compile mode with CUDA graphs gets the step marks and the logits' copies it needs, and is
+refused with gradient accumulation.
 """
 
 from __future__ import annotations
@@ -60,7 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.training_args import ParallelMode
 
 from .autotune import STATE_FILE, TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
-from .kernels.attention import SHORT, SHORT_KERNEL, STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
+from .kernels.attention import STATIC_MASKS, one_sequence_per_row, preferring, use_static_masks
 from .kernels.attention import capture as capture_attention
 from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
 from .kernels.loss import fuse_linear_cross_entropy, is_causal_lm, is_fused, unfuse_linear_cross_entropy
@@ -133,8 +119,8 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
 
 
 def why_not_compile(args, train_dataset) -> str | None:
-    """Why a run asked to compile should run eager, or None: fewer optimizer steps than ``compile_min_steps``, or a
-    stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) without a GPU to record them on (the
+    """Why a run asked to compile should run eager, or None: fewer optimizer steps than the recipe's ``min_steps``, or
+    a stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) without a GPU to record them on (the
     backend of yours compiles as asked)."""
     if not isinstance(args, ApexTrainingArguments) or not args.torch_compile:
         return None
@@ -143,7 +129,8 @@ def why_not_compile(args, train_dataset) -> str | None:
         args.use_cpu or not torch.cuda.is_available()
     ):
         return f"no CUDA GPU to record stage {args.stage!r}'s CUDA graphs on: its eager kernels run as they are"
-    if not args.compile_min_steps:
+    min_steps = args.recipe.min_steps
+    if not min_steps:
         return None
     if args.max_steps > 0:
         steps = args.max_steps
@@ -152,62 +139,49 @@ def why_not_compile(args, train_dataset) -> str | None:
         steps = math.ceil(args.num_train_epochs * math.ceil(batches / args.gradient_accumulation_steps))
     else:
         return None  # unknown length: compile as asked
-    if steps >= args.compile_min_steps:
+    if steps >= min_steps:
         return None
     return (
-        f"the run has {steps} optimizer steps, fewer than compile_min_steps={args.compile_min_steps}, so "
-        "compilation would cost more than it saves (set compile_min_steps=0 to compile anyway)"
+        f"the run has {steps} optimizer steps, fewer than the stage recipe's min_steps={min_steps}, so "
+        """compilation would cost more than it saves (--stage_recipe '{"min_steps": 0}' compiles anyway)"""
     )
 
 
 def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
-    """torch.compile's settings for a run's training steps on ``model``, by config module (empty: torch's defaults).
+    """torch.compile's settings for a run's training steps on ``model``, by config module (empty: torch's defaults),
+    from the run's :class:`~hf_apex.stages.StageRecipe`:
 
-    - ``compile_recompute_pointwise`` (``"true"``, or ``"auto"`` for a model whose loss reads its logits): the
-      partitioner recomputes in the backward the pointwise results that the backward's matmuls read
-      (``torch._functorch.config``).
-    - ``compile_eager_random``: random ops, dropout's masks among them, run torch's own kernels inside the compiled
-      graph, as eager mode draws them (``torch._inductor.config.fallback_random``).
-    - ``compile_fuse_projections`` (``"true"``, or ``"auto"`` for a model that is not a causal LM): linears that read
-      one input run as one matmul (:mod:`hf_apex.kernels.projections`, Inductor's ``pre_grad_custom_pass``), where
-      :func:`why_not_fuse_projections` has no objection.
-    - ``compile_combo_kernels``: independent small kernels run as one (``torch._inductor.config.combo_kernels``).
-    - ``compile_fp32_weight_grads``: weight gradients written in FP32 by their matmuls
-      (:mod:`hf_apex.kernels.weight_grads`, Inductor's ``post_grad_custom_post_pass``), where
-      :func:`why_not_fp32_weight_grads` has no objection."""
+    - ``recompute_pointwise`` (``"true"``, or ``"auto"`` for a model whose loss reads its logits): the partitioner
+      recomputes in the backward the pointwise results that the backward's matmuls read (``torch._functorch.config``).
+    - ``eager_random``: random ops run torch's own kernels inside the graph (Inductor's ``fallback_random``).
+    - ``fuse_projections``: linears that read one input run as one matmul (:mod:`hf_apex.kernels.projections`,
+      Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections` has no objection."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
-    settings, inductor = {}, {}
-    wanted = args.compile_recompute_pointwise
+    recipe, settings, inductor = args.recipe, {}, {}
+    wanted = recipe.recompute_pointwise
     if wanted == "true" or (wanted == "auto" and (model is None or not is_fused(model))):
         settings["torch._functorch.config"] = {"ban_recompute_materialized_backward": False}
-    if args.compile_eager_random:
+    if recipe.eager_random:
         inductor["fallback_random"] = True
     if why_not_fuse_projections(args, model) is None:
         from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
-    if args.compile_combo_kernels:
-        inductor["combo_kernels"] = True
-    if args.compile_fp32_weight_grads and why_not_fp32_weight_grads(args) is None:
-        from .kernels.weight_grads import FP32_WEIGHT_GRADS
-
-        inductor["post_grad_custom_post_pass"] = FP32_WEIGHT_GRADS
     if inductor:
         settings["torch._inductor.config"] = inductor
     return settings
 
 
 def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
-    """Why this run's compiled graphs do not fuse projections (None: they do): ``compile_fuse_projections`` is off,
-    or ``"auto"`` for a causal LM (on an H200 it slowed the Llama-architecture model's step by 6.5 %,
-    benchmarks/h200-2026-12-03-short), the backend is not Inductor's (the pass is), or a pre-grad pass of yours
-    keeps its place."""
-    wanted = args.compile_fuse_projections
-    if wanted in (None, "false"):
-        return "compile_fuse_projections is off"
+    """Why this run's compiled graphs do not fuse projections (None: they do): the recipe's ``fuse_projections`` is
+    off, or ``"auto"`` for a causal LM (where it slowed the Llama-architecture model), the backend is not Inductor's
+    (the pass is), or a pre-grad pass of yours keeps its place."""
+    wanted = args.recipe.fuse_projections
+    if wanted == "false":
+        return "fuse_projections is off"
     if wanted == "auto" and model is not None and is_causal_lm(getattr(model, "module", model)):  # (FSDP1 wraps it)
-        return "compile_fuse_projections=auto leaves a causal LM's projections apart (they cost Llama time on an H200)"
+        return "fuse_projections=auto leaves a causal LM's projections apart"
     backend = args.torch_compile_backend or "inductor"
     if backend != "inductor":
         return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
@@ -215,23 +189,6 @@ def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
 
     if torch._inductor.config.pre_grad_custom_pass is not None:
         return "torch._inductor.config.pre_grad_custom_pass is set already (yours is kept)"
-    return None
-
-
-def why_not_fp32_weight_grads(args) -> str | None:
-    """Why ``compile_fp32_weight_grads`` cannot act in this run (None: it can): its pass is Inductor's, torch has no
-    matmul that writes FP32 from half-precision operands, or a post-grad pass of yours keeps its place."""
-    import torch._inductor.config
-
-    from .kernels.availability import has_mm_out_dtype
-
-    backend = args.torch_compile_backend or "inductor"
-    if backend != "inductor":
-        return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
-    if not has_mm_out_dtype():
-        return f"torch {torch.__version__} has no torch.mm(..., out_dtype=) (torch >= 2.8)"
-    if torch._inductor.config.post_grad_custom_post_pass is not None:
-        return "torch._inductor.config.post_grad_custom_post_pass is set already (yours is kept)"
     return None
 
 
@@ -262,10 +219,8 @@ def compile_under_own_settings(args, model: nn.Module | None) -> None:
     if settings != (_graphs_compiled_under or {}):
         if _graphs_compiled_under is not None:
             logger.info(
-                "hf_apex: this run compiles under other settings than the graphs an earlier run compiled in this "
-                "process (compile_recompute_pointwise, compile_eager_random, compile_fuse_projections, "
-                "compile_combo_kernels, compile_fp32_weight_grads): torch's "
-                "compiled graphs are dropped, to compile this run's own."
+                "hf_apex: this run compiles under another stage recipe than the graphs an earlier run compiled in "
+                "this process: torch's compiled graphs are dropped, to compile this run's own."
             )
         torch._dynamo.reset()
     _graphs_compiled_under = settings
@@ -332,11 +287,11 @@ class DropFullAttentionMask:
 
 
 def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
-    """Whether a run leaves all-ones attention masks out of its batches (``drop_full_attention_mask``). Under
+    """Whether a run leaves all-ones attention masks out of its batches (the recipe's ``static_masks``). Under
     ``torch.compile``, yes. In eager only for a model without a ``pad_token_id``: given no mask, transformers checks
     whether the first or last token of each row is the pad token (``warn_if_padding_and_no_attention_mask``), a
     device sync on every forward; with the mask kept, ``STATIC_MASKS`` builds it without one."""
-    if not args.drop_full_attention_mask:
+    if not args.recipe.static_masks:
         return False
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 
@@ -354,9 +309,8 @@ class HostCopy:
 
     ApexTrainer reads a logging step's loss and gradient norm this way, at the end of the next step. Read at once,
     as the stock Trainer reads them, they make the host wait for the device, which then idles while the host logs
-    and starts the next step: on an H200 the logging step and the one after it each took 1.5-2 ms more
-    (benchmarks/h200-2026-12-02-bert-trial). Read a step later, they are the same values, and the step they belong to
-    has finished while the next one is queued behind it.
+    and starts the next step. Read a step later, they are the same values, and the step they belong to has finished
+    while the next one is queued behind it.
     """
 
     def __init__(self, *values):
@@ -387,9 +341,9 @@ class ApexTrainer(Trainer):
     autotuner: Autotuner | None = None
     rewire_report: RewireReport | None = None
     loss_fusion: dict | None = None  # what fuse_loss did (fused_linear_cross_entropy)
-    rotary_once: int | None = None  # rotary embeddings whose cos/sin are computed once (compile_rotary_once)
+    rotary_once: int | None = None  # rotary embeddings whose cos/sin are computed once (the recipe's rotary_once)
     static_masks = False  # whether train() runs the model with SDPA masks decided on the host (STATIC_MASKS)
-    compile_skipped: str | None = None  # why torch_compile was asked for and not used (compile_min_steps)
+    compile_skipped: str | None = None  # why torch_compile was asked for and not used (the recipe's min_steps)
     stage_metrics: StageMetricsCallback | None = None
     _deferred_log: tuple | None = None  # a logging step's (HostCopy, state, calls, arguments): logged a step later
     _deferred_calls: dict | None = None  # while it is logged: the kernel call counts at its own step
@@ -562,10 +516,8 @@ class ApexTrainer(Trainer):
         return self.autotuner.choose_attention(capture_attention(forward))
 
     def _use_attention(self, model: nn.Module) -> None:
-        """Run ``model``'s attention with masks decided on the host where asked, and through hf_apex's short-sequence
-        kernel where this run's backend is that kernel."""
-        kernel = self.sdpa_backend == SHORT
-        self.static_masks = use_static_masks(model, self.args.drop_full_attention_mask, kernel=kernel)
+        """Run ``model``'s attention with masks decided on the host where the recipe asks (``static_masks``)."""
+        self.static_masks = use_static_masks(model, self.args.recipe.static_masks)
 
     def evaluate(self, *args, **kwargs):
         if self.autotuner is not None:
@@ -608,7 +560,7 @@ class ApexTrainer(Trainer):
     def _apply_model_switches(self, model: nn.Module) -> None:
         self.rewire_report = self.rewire_model(model)
         self.loss_fusion = self.fuse_loss(model)
-        if self.args.compile_rotary_once:
+        if self.args.torch_compile and self.args.recipe.rotary_once:
             self.rotary_once = compute_rotary_once(model)
         else:
             restore_rotary(model)  # a model reused from a run that had it
@@ -727,32 +679,21 @@ class ApexTrainer(Trainer):
         if self.compile_skipped:
             kernels["torch_compile"] = f"not used: {self.compile_skipped}"
         elif "torch._functorch.config" in settings:
+            kernels["compiled_backward"] = "recomputes the pointwise results its matmuls read (recompute_pointwise)"
+        elif self.args.torch_compile and self.args.recipe.recompute_pointwise == "auto":
             kernels["compiled_backward"] = (
-                "recomputes the pointwise results its matmuls read (compile_recompute_pointwise)"
-            )
-        elif self.args.torch_compile and self.args.compile_recompute_pointwise == "auto":
-            kernels["compiled_backward"] = (
-                "keeps the pointwise results its matmuls read (compile_recompute_pointwise=auto: the loss runs "
-                "without the logits)"
+                "keeps the pointwise results its matmuls read (recompute_pointwise=auto: the loss runs without the "
+                "logits)"
             )
         if "fallback_random" in inductor:
-            kernels["random_ops"] = "torch's own kernels inside the compiled graph (compile_eager_random)"
+            kernels["random_ops"] = "torch's own kernels inside the compiled graph (eager_random)"
         if "pre_grad_custom_pass" in inductor:
             kernels["projections"] = (
                 "Inductor's pre-grad pass runs the linears that read one input as one matmul, where it can "
-                "(compile_fuse_projections)"
+                "(fuse_projections)"
             )
-        elif self.args.torch_compile and self.args.compile_fuse_projections not in (None, "false"):
+        elif self.args.torch_compile and self.args.recipe.fuse_projections != "false":
             kernels["projections"] = f"not fused: {why_not_fuse_projections(self.args, self.model)}"
-        if inductor.get("combo_kernels"):
-            kernels["combo_kernels"] = "Inductor runs independent small kernels as one (compile_combo_kernels)"
-        if "post_grad_custom_post_pass" in inductor:
-            kernels["weight_gradients"] = (
-                "written in FP32 by their matmuls where a BF16/FP16 matmul and a cast made them, on CUDA "
-                "(compile_fp32_weight_grads)"
-            )
-        elif self.args.torch_compile and self.args.compile_fp32_weight_grads:
-            kernels["weight_gradients"] = f"not rewritten: {why_not_fp32_weight_grads(self.args)}"
         if isinstance(self.data_collator, DropFullAttentionMask):
             kernels["attention_mask"] = "left out of batches where it is all ones"
         if self.static_masks:
@@ -763,18 +704,11 @@ class ApexTrainer(Trainer):
             )
         if self.args.attention_backend:
             kernels["attention_backend"] = self.sdpa_backend or "torch (PyTorch's own choice)"
-            if self.sdpa_backend == SHORT:
-                runs = getattr(getattr(self.model, "config", None), "_attn_implementation", None) == SHORT_KERNEL
-                kernels["attention_backend"] = (
-                    "short: hf_apex's Triton kernel for sequences of up to 128 tokens, SDPA for calls it does not fit"
-                    if runs
-                    else "torch (PyTorch's own choice): hf_apex's short-sequence kernel cannot run here"
-                )
         if self.rotary_once is not None and self.args.torch_compile:
             kernels["rotary_embedding"] = (
-                f"cos/sin computed once per compiled forward ({self.rotary_once} module(s), compile_rotary_once)"
+                f"cos/sin computed once per compiled forward ({self.rotary_once} module(s), rotary_once)"
                 if self.rotary_once
-                else "no rotary embedding in this model (compile_rotary_once)"
+                else "no rotary embedding in this model (rotary_once)"
             )
         if self.fp32_outputs_dropped:
             kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"

@@ -6,8 +6,8 @@
 (without a KV cache in training, as the Trainer sets `use_cache`), data and collator (in another order: the same
 shapes); the same optimizer (HF's decay/no-decay groups, apex or torch per the flags), LR schedule and gradient
 clipping at `--max_grad_norm`; the same precision (autocast, GradScaler for FP16), `torch.compile`, masks (batches
-leave out an all-ones attention mask; SDPA masks decided on the host), RoPE's cos/sin (`--compile_rotary_once`), the
-compile settings (`--compile_recompute_pointwise`, `--compile_eager_random`), loss
+leave out an all-ones attention mask; SDPA masks decided on the host), the stage recipe (`--stage_recipe`: RoPE's
+cos/sin once, the compile settings), loss
 (`--fused_linear_cross_entropy`) and SDPA backend (`--attention_backend`, decided on the first batch as the Trainer
 does); `num_items_in_batch` counted as the Trainer counts it; `zero_grad(set_to_none=True)`; pinned batches copied
 without blocking; the loss read on the host every `--logging_steps` steps, at the end of the step after (as
@@ -32,8 +32,8 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from hf_apex import ApexTrainingArguments, rewire
 from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
-from hf_apex.kernels.attention import SHORT, one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.attention import capture as capture_attention
+from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from hf_apex.kernels.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.kernels.rotary import compute_rotary_once
@@ -104,10 +104,9 @@ def main(out_json: str, argv: list[str]) -> dict:
         )
     if args.fused_linear_cross_entropy and not args.fp16:  # as ApexTrainer: FP16 autocast keeps the stock loss
         fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
-    if args.compile_rotary_once:
+    if args.torch_compile and args.recipe.rotary_once:
         compute_rotary_once(model)  # as ApexTrainer: a RoPE model's cos/sin once per compiled forward
-    # as ApexTrainer: SDPA masks decided on the host, and hf_apex's short-sequence kernel where named
-    static = use_static_masks(model, args.drop_full_attention_mask, kernel=args.attention_backend == SHORT)
+    static = use_static_masks(model, args.recipe.static_masks)  # as ApexTrainer: SDPA masks decided on the host
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},

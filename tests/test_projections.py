@@ -1,4 +1,4 @@
-"""compile_fuse_projections: the linears that read one input run as one matmul under torch.compile, with the stock
+"""The recipe's fuse_projections: the linears that read one input run as one matmul under torch.compile, with the stock
 loss and gradients (hf_apex.kernels.projections). The pass runs here on the graphs Dynamo hands a backend, which
 then runs them as they are; tests/test_trainer.py runs it inside Inductor, through ApexTrainer."""
 

@@ -325,9 +325,9 @@ def test_compiled_stage_trains_and_reports_the_first_step(tmp_path, monkeypatch,
     assert len(metrics["loss_history"]) == 6
 
 
-def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_not_two(tmp_path):
+def test_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_not_two(tmp_path):
     """By default a compiled step keeps its FFN's activation both before the GELU (for the GELU's backward) and
-    after it (for the second matmul's); with compile_recompute_pointwise, only before it (the backward recomputes
+    after it (for the second matmul's); with the recipe's recompute_pointwise, only before it (the backward recomputes
     the GELU). The same losses; torch's default is back once a step is done; trainers one after another in a
     process each compile under their own setting (Dynamo alone would reuse the first one's graphs); and "auto"
     recomputes for BERT but not for a GPT-2 whose loss runs without the logits."""
@@ -348,7 +348,8 @@ def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_n
 
     def run(name, family, recompute, **kw):
         # aot_eager: AOTAutograd's partitioner, as under Inductor, without generating code
-        compiled = dict(torch_compile_backend="aot_eager", compile_recompute_pointwise=recompute, **kw)
+        recipe = {} if recompute is None else {"recompute_pointwise": recompute}
+        compiled = dict(torch_compile_backend="aot_eager", stage_recipe=recipe, **kw)
         args = train_args(tmp_path / name, max_steps=2, **compiled)
         if family == "bert":
             data = TokenDataset(task="cls")
@@ -379,8 +380,8 @@ def test_compile_recompute_pointwise_keeps_one_ffn_activation_for_the_backward_n
     assert auto_says.startswith("keeps") and "without the logits" in auto_says
 
 
-def test_compile_eager_random_draws_dropouts_masks_as_eager_mode_does(tmp_path):
-    """With compile_eager_random, a run compiled by Inductor draws its dropout masks with torch's own kernels: from
+def test_eager_random_draws_dropouts_masks_as_eager_mode_does(tmp_path):
+    """With the recipe's eager_random, a run compiled by Inductor draws dropout masks with torch's own kernels: from
     the same seed, the same masks as the eager run, so the same losses (to the compiler's roundings). Without it,
     Inductor generates its own random numbers: other masks, other losses. The switch holds for the training steps
     only, and the metrics JSON says so."""
@@ -399,15 +400,15 @@ def test_compile_eager_random_draws_dropouts_masks_as_eager_mode_does(tmp_path):
     inductor_own, kernels = losses("inductor", torch_compile=True)
     assert "random_ops" not in kernels
     torch._dynamo.reset()  # (the next run compiles under its own setting: ApexTrainer resets between runs too)
-    torch_own, kernels = losses("eager-random", torch_compile=True, compile_eager_random=True)
+    torch_own, kernels = losses("eager-random", torch_compile=True, stage_recipe={"eager_random": True})
     torch._dynamo.reset()
     assert kernels["random_ops"].startswith("torch's own kernels")
     assert torch_own == pytest.approx(eager, rel=1e-4)
     assert inductor_own != pytest.approx(eager, rel=1e-2)
 
 
-def test_compile_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_inductor(tmp_path):
-    """Under Inductor, compile_fuse_projections fuses each layer's q/k/v and gate/up projections (four groups in a
+def test_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_inductor(tmp_path):
+    """Under Inductor, the recipe's fuse_projections fuses each layer's q/k/v and gate/up projections (four groups in a
     two-layer Llama) with the losses of the run without it; under a backend that is not Inductor the metrics say
     why nothing was fused. torch's setting is its own again after the steps."""
     import torch._inductor.config as inductor
@@ -428,13 +429,13 @@ def test_compile_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer
 
     stock, says, fused = run("stock")
     assert not says and fused == 0
-    losses, says, fused = run("fused", compile_fuse_projections=True)
+    losses, says, fused = run("fused", stage_recipe={"fuse_projections": True})
     assert fused == 2 * 2 and says.startswith("Inductor's pre-grad pass runs the linears")
     assert losses == pytest.approx(stock, rel=1e-5)
-    _, says, fused = run("aot", compile_fuse_projections=True, torch_compile_backend="aot_eager")
+    _, says, fused = run("aot", stage_recipe={"fuse_projections": True}, torch_compile_backend="aot_eager")
     assert fused == 0 and says == "not fused: its pass is Inductor's, and torch_compile_backend='aot_eager'"
-    _, says, fused = run("auto", compile_fuse_projections="auto")  # a causal LM: left apart
-    assert fused == 0 and says.startswith("not fused: compile_fuse_projections=auto leaves a causal LM's")
+    _, says, fused = run("auto", stage_recipe={"fuse_projections": "auto"})  # a causal LM: left apart
+    assert fused == 0 and says.startswith("not fused: fuse_projections=auto leaves a causal LM's")
     torch._dynamo.reset()
 
 
@@ -449,83 +450,12 @@ def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path
     assert passes == {"bert": FUSE_SHARED_INPUT_LINEARS, "llama": None, "gpt2": None}
 
 
-def test_compile_fp32_weight_grads_sets_its_pass_for_the_training_steps_only(tmp_path):
-    """compile_fp32_weight_grads sets hf_apex's post-grad pass (hf_apex.kernels.weight_grads; what it rewrites:
-    tests/test_weight_grads.py) while the trainer's steps compile and run, not after, unless a pass of yours is set,
-    and the metrics JSON says which."""
-    import torch._inductor.config as inductor
-
-    from hf_apex.kernels import weight_grads
-
-    seen = []
-
-    class Watching(ApexTrainer):
-        def compute_loss(self, *args, **kwargs):
-            seen.append(inductor.post_grad_custom_post_pass)
-            return super().compute_loss(*args, **kwargs)
-
-    torch._dynamo.reset()
-    args = train_args(tmp_path, max_steps=2, torch_compile=True, compile_fp32_weight_grads=True)
-    trainer = Watching(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
-    trainer.train()
-    torch._dynamo.reset()
-    assert seen and all(p is weight_grads.FP32_WEIGHT_GRADS for p in seen)
-    assert inductor.post_grad_custom_post_pass is None  # (torch's default, outside the steps)
-    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
-    assert kernels["weight_gradients"].startswith("written in FP32 by their matmuls where")
-    # a post-grad pass of yours keeps its place, and the metrics say why this one did not run
-    yours = weight_grads.FP32WeightGrads()
-    with inductor.patch(post_grad_custom_post_pass=yours):
-        seen.clear()
-        torch._dynamo.reset()
-        trainer = Watching(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
-        trainer.train()
-        torch._dynamo.reset()
-    assert seen and all(p is yours for p in seen)
-    kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
-    assert kernels["weight_gradients"] == (
-        "not rewritten: torch._inductor.config.post_grad_custom_post_pass is set already (yours is kept)"
-    )
-
-
-def test_compile_combo_kernels_holds_for_the_training_steps_with_the_same_losses(tmp_path):
-    """compile_combo_kernels sets Inductor's combo_kernels while the trainer's steps compile and run (and not after),
-    the losses stay those of the run without it, and the metrics JSON says so."""
-    import torch._inductor.config as inductor
-
-    seen = []
-
-    class Watching(ApexTrainer):  # (the setting as the step's forward sees it)
-        def compute_loss(self, *args, **kwargs):
-            seen.append(inductor.combo_kernels)
-            return super().compute_loss(*args, **kwargs)
-
-    def run(name, **switches):
-        torch._dynamo.reset()
-        args = train_args(tmp_path / name, max_steps=3, torch_compile=True, **switches)
-        trainer = Watching(model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls"))
-        with inductor.patch(force_disable_caches=True):
-            trainer.train()
-        metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
-        return [h["loss"] for h in metrics["loss_history"]], metrics["kernels"]
-
-    stock, kernels = run("stock")
-    assert "combo_kernels" not in kernels and not any(seen)
-    seen.clear()
-    combined, kernels = run("combo", compile_combo_kernels=True)
-    torch._dynamo.reset()
-    assert seen and all(seen)
-    assert kernels["combo_kernels"].startswith("Inductor runs independent small kernels as one")
-    assert inductor.combo_kernels is False  # (torch's default, outside the steps)
-    assert combined == pytest.approx(stock, rel=1e-5)
-
-
-def test_compile_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
+def test_rotary_once_swaps_the_rotary_embedding_and_says_so(tmp_path):
     model = tiny_model("llama").train()
     switches = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=2)
     ApexTrainer(
         model=model,
-        args=train_args(tmp_path / "on", compile_rotary_once=True, **switches),
+        args=train_args(tmp_path / "on", stage_recipe={"rotary_once": True}, **switches),
         train_dataset=TokenDataset(),
     ).train()
     kernels = json.loads((tmp_path / "on" / METRICS_FILENAME).read_text())["kernels"]
@@ -850,7 +780,7 @@ def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_hos
             compiled_losses = losses
     assert losses == pytest.approx(compiled_losses, rel=1e-5)
     model.load_state_dict(initial)
-    kept, kept_losses, metrics, seen = run("kept", drop_full_attention_mask=False)
+    kept, kept_losses, metrics, seen = run("kept", stage_recipe={"static_masks": False})
     assert not isinstance(kept.data_collator, DropFullAttentionMask) and "attention_masks" not in metrics["kernels"]
     assert seen == {"sdpa"}  # transformers' own masks
     assert kept_losses == pytest.approx(losses, rel=1e-5)  # all ones or none, host or transformers: the same training
@@ -866,7 +796,7 @@ def test_in_eager_a_model_with_a_pad_token_keeps_its_all_ones_mask(tmp_path):
     assert not drops_full_attention_mask(eager, padded_model) and drops_full_attention_mask(compiled, padded_model)
     unpadded = tiny_model("gpt2", pad_token_id=None)
     assert drops_full_attention_mask(eager, unpadded)  # no pad token: nothing to look for
-    off = train_args(tmp_path, max_steps=1, torch_compile=True, drop_full_attention_mask=False)
+    off = train_args(tmp_path, max_steps=1, torch_compile=True, stage_recipe={"static_masks": False})
     assert not drops_full_attention_mask(off, unpadded)
     trainer = ApexTrainer(model=padded_model.train(), args=eager, train_dataset=TokenDataset())
     assert not isinstance(trainer.data_collator, DropFullAttentionMask)
@@ -885,14 +815,16 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     from hf_apex.trainer import why_not_compile
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, max_steps=3)
-    assert args.compile_min_steps == 500 and args.torch_compile  # the stage's default threshold
-    assert "3 optimizer steps, fewer than compile_min_steps=500" in why_not_compile(args, None)
-    mine = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, compile_min_steps=0)
-    assert mine.compile_min_steps == 0 and why_not_compile(mine, None) is None  # yours wins over the stage's
+    assert args.recipe.min_steps == 500 and args.torch_compile  # the stage's default threshold
+    assert "3 optimizer steps, fewer than the stage recipe's min_steps=500" in why_not_compile(args, None)
+    mine = ApexTrainingArguments(
+        output_dir=str(tmp_path), stage="fastest", use_cpu=True, stage_recipe={"min_steps": 0}
+    )
+    assert mine.recipe.min_steps == 0 and why_not_compile(mine, None) is None  # yours wins over the stage's
     epochs = ApexTrainingArguments(
         output_dir=str(tmp_path),
         torch_compile=True,
-        compile_min_steps=40,
+        stage_recipe={"min_steps": 40},
         use_cpu=True,
         per_device_train_batch_size=4,
         num_train_epochs=2,
@@ -902,7 +834,7 @@ def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, 
     from accelerate.utils import DynamoBackend
     from torch._dynamo.eval_frame import OptimizedModule
 
-    mine = train_args(tmp_path / "run", torch_compile=True, compile_min_steps=100, max_steps=2)
+    mine = train_args(tmp_path / "run", torch_compile=True, stage_recipe={"min_steps": 100}, max_steps=2)
     with caplog.at_level("WARNING", logger="hf_apex"):
         trainer = ApexTrainer(tiny_model("gpt2").train(), mine, train_dataset=TokenDataset())  # (positional too)
     assert "not compiling: the run has 2 optimizer steps" in caplog.text and not trainer.args.torch_compile

@@ -6,7 +6,7 @@ import pytest
 from transformers import HfArgumentParser
 from transformers.utils import is_torch_bf16_gpu_available
 
-from hf_apex import STAGES, ApexTrainingArguments
+from hf_apex import STAGES, ApexTrainingArguments, StageRecipe
 from hf_apex.trainer import why_not_compile
 from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
@@ -88,7 +88,7 @@ def test_cuda_graphs_are_not_asked_to_accumulate_gradients(caplog):
 def test_auto_replays_its_eager_kernels_as_cuda_graphs_in_one_process_only(monkeypatch, caplog):
     args = make(stage="auto")
     assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "cudagraphs", None)
-    assert uses_cuda_graphs(args) and graph_norm_kernel(args) == "apex" and args.compile_min_steps == 2500
+    assert uses_cuda_graphs(args) and graph_norm_kernel(args) == "apex" and args.recipe.min_steps == 2500
     # Without a GPU the trainer runs the eager kernels as they are (hf_apex.trainer.why_not_compile; this machine)
     assert "no CUDA GPU" in why_not_compile(make(stage="auto", max_steps=5000), None)
     assert graph_norm_kernel(make(stage="fastest")) == graph_norm_kernel(make(stage="compiled")) == "torch"
@@ -107,57 +107,66 @@ def test_auto_replays_its_eager_kernels_as_cuda_graphs_in_one_process_only(monke
     args.torch_compile_backend = None
     monkeypatch.setenv("WORLD_SIZE", "2")
     args._apply_stage()
-    assert not args.torch_compile and args.compile_min_steps is None and not uses_cuda_graphs(args)
+    assert not args.torch_compile and not uses_cuda_graphs(args)
     assert "stage 'auto': 2 processes" in caplog.text
 
 
-def test_fastest_recomputes_pointwise_results_in_the_backward_unless_told_not_to():
-    assert make(stage="fastest").compile_recompute_pointwise == "auto"  # (the model decides: tests/test_trainer.py)
-    assert make(stage="fastest", compile_recompute_pointwise=False).compile_recompute_pointwise == "false"  # yours
-    assert make(stage="fastest", compile_recompute_pointwise="true").compile_recompute_pointwise == "true"
-    assert make(stage="compiled").compile_recompute_pointwise is None  # torch's default
-    assert make(stage="compiled", compile_recompute_pointwise=True).compile_recompute_pointwise == "true"
-    for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
-        for value in (True, "auto"):
-            with pytest.raises(ValueError, match="compile_recompute_pointwise=.* but torch_compile is off"):
-                make(stage=stage, compile_recompute_pointwise=value)
-        assert make(stage=stage, compile_recompute_pointwise=False).compile_recompute_pointwise == "false"
-    with pytest.raises(ValueError, match="must be one of"):
-        make(stage="fastest", compile_recompute_pointwise="yes")
+def test_a_stage_owns_its_recipe_and_yours_overrides_single_entries():
+    fastest = make(stage="fastest")
+    assert fastest.recipe == STAGES["fastest"].recipe
+    assert (fastest.recipe.recompute_pointwise, fastest.recipe.fuse_projections) == ("auto", "auto")
+    assert fastest.recipe.rotary_once and fastest.recipe.eager_random and fastest.recipe.min_steps == 500
+    assert make(stage="compiled").recipe == StageRecipe()  # torch's defaults; static masks on every stage
+    yours = make(stage="fastest", stage_recipe={"fuse_projections": False, "min_steps": 0})
+    assert (yours.recipe.fuse_projections, yours.recipe.min_steps) == ("false", 0)  # (False stands for "false")
+    assert yours.recipe.rotary_once and yours.recipe.recompute_pointwise == "auto"  # the rest stays the stage's
+    as_json = make(stage="fastest", stage_recipe='{"eager_random": false}')  # the CLI's form
+    assert as_json.stage_recipe["eager_random"] is False and as_json.recipe.rotary_once
+    assert make(stage="fastest", stage_recipe=StageRecipe(min_steps=7)).recipe == StageRecipe(min_steps=7)
+    assert make(stage="compiled", stage_recipe={"rotary_once": True}).recipe.rotary_once
 
 
-# compile_rotary_once: a RoPE model's cos and sin once per forward; compile_eager_random: torch's dropout kernels;
-# compile_fp32_weight_grads: weight gradients written in FP32 by their matmuls
-@pytest.mark.parametrize("switch", ["compile_rotary_once", "compile_eager_random", "compile_fp32_weight_grads"])
-def test_fastest_sets_its_compile_switches_and_only_a_compiled_run_may(switch):
-    assert getattr(make(stage="fastest"), switch) is True
-    assert getattr(make(stage="fastest", **{switch: False}), switch) is False  # yours wins
-    assert not getattr(make(stage="compiled"), switch)
-    assert getattr(make(stage="compiled", **{switch: True}), switch) is True
-    for stage in ("torch_fused", None):  # nothing compiles: a switch of yours that would do nothing is an error
-        with pytest.raises(ValueError, match=f"{switch}=True .* but torch_compile is off"):
-            make(stage=stage, **{switch: True})
+@pytest.mark.parametrize(
+    "recipe, match",
+    [
+        ({"fuse_projections": "sometimes"}, "fuse_projections must be one of"),
+        ({"recompute_pointwise": "yes"}, "recompute_pointwise must be one of"),
+        ({"min_steps": -1}, "min_steps must be an integer >= 0"),
+        ({"turbo": True}, r"unknown entries \['turbo'\]; its entries are \['min_steps'"),
+        ("[1, 2]", "stage_recipe must be a dict"),
+    ],
+)
+def test_a_bad_recipe_entry_is_a_value_error_naming_it(recipe, match):
+    with pytest.raises(ValueError, match=match):
+        make(stage="fastest", stage_recipe=recipe)
 
 
-def test_compile_fuse_projections_is_auto_in_fastest_and_yours_to_set_on_a_compiled_run_only():
-    assert make(stage="fastest").compile_fuse_projections == "auto"
-    assert make(stage="fastest", compile_fuse_projections=False).compile_fuse_projections == "false"  # yours wins
-    assert make(stage="fastest", compile_fuse_projections=True).compile_fuse_projections == "true"
-    assert make(stage="compiled").compile_fuse_projections is None
-    with pytest.raises(ValueError, match="compile_fuse_projections must be one of"):
-        make(stage="compiled", compile_fuse_projections="sometimes")
+@pytest.mark.parametrize("entry", [{"rotary_once": True}, {"eager_random": True}, {"fuse_projections": "auto"}])
+def test_a_compiled_recipe_entry_on_a_run_that_does_not_compile_is_an_error(entry):
     for stage in ("torch_fused", None):
-        with pytest.raises(ValueError, match="compile_fuse_projections='true' .* but torch_compile is off"):
-            make(stage=stage, compile_fuse_projections=True)
-        assert make(stage=stage, compile_fuse_projections=False).compile_fuse_projections == "false"
+        with pytest.raises(ValueError, match="changes what torch.compile does, but torch_compile is off"):
+            make(stage=stage, stage_recipe=entry)
+    assert make(stage="torch_fused", stage_recipe={"static_masks": False}).recipe.static_masks is False  # any run
+    assert make(stage="torch_fused", stage_recipe={"rotary_once": False}).recipe == StageRecipe()  # (a no-op)
 
 
-def test_compile_combo_kernels_is_yours_to_set_on_a_compiled_run_only():
-    assert make(stage="fastest").compile_combo_kernels is None  # (not measured beside the fused projections yet)
-    assert make(stage="fastest", compile_combo_kernels=True).compile_combo_kernels is True
-    for stage in ("torch_fused", None):
-        with pytest.raises(ValueError, match="compile_combo_kernels=True .* but torch_compile is off"):
-            make(stage=stage, compile_combo_kernels=True)
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be >= 1, got 0"),
+        (dict(per_device_eval_batch_size=-2), "per_device_eval_batch_size must be >= 1, got -2"),
+        (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps must be >= 1"),
+        (dict(max_steps=-5), "max_steps must be a positive number of optimizer steps, or -1"),
+        (dict(max_steps=0), "max_steps must be a positive number"),
+        (dict(num_train_epochs=0), "num_train_epochs must be > 0"),
+        (dict(learning_rate=-1e-3), "learning_rate must be >= 0"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_in_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as refused:
+        make(**kw)
+    assert "\n" not in str(refused.value)
+    assert make(max_steps=-1).max_steps == -1 and make(max_steps=3, num_train_epochs=0).max_steps == 3
 
 
 def test_fused_full_with_fp16():
@@ -199,8 +208,10 @@ def test_a_bf16_stage_without_a_gpu_names_the_stage_and_the_two_ways_on():
     with pytest.raises(ValueError) as refused:
         ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_full")
     message = str(refused.value)
-    assert message.startswith("stage='fused_full' runs BF16 autocast") and "--use_cpu" in message
-    assert "fused_adam_ln" in message
+    assert message == (
+        "stage='fused_full' runs BF16 autocast and no GPU here runs BF16: on a CPU take an FP32 stage "
+        "(baseline, fused_adam, fused_adam_ln) with --use_cpu, or keep this stage and pass --use_cpu."
+    )
     assert ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_full", use_cpu=True).bf16
     assert not ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_adam_ln").bf16
     with pytest.raises(ValueError, match="doesn't support bf16"):  # no stage: transformers' own refusal
@@ -219,6 +230,8 @@ def test_round_trip_through_to_dict_is_stable():
     assert args.apex_optimizer_kwargs == {"bias_correction": False}
     again = ApexTrainingArguments(**args.to_dict())
     assert (again.bf16, again.apex_optimizer, again.apex_fused_norms) == (True, "fused_adam", True)
+    eager_auto = make(stage="auto", gradient_accumulation_steps=2)  # its recipe's min_steps stands, uncompiled
+    assert ApexTrainingArguments(**eager_auto.to_dict()).recipe == eager_auto.recipe == STAGES["auto"].recipe
 
 
 def test_cli_parsing():
@@ -229,9 +242,9 @@ def test_cli_parsing():
     with pytest.raises(SystemExit):
         HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(["--stage", "nope"])
     (args,) = HfArgumentParser(ApexTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "o", "--stage", "fastest", "--use_cpu", "--compile_recompute_pointwise", "false"]
+        ["--output_dir", "o", "--stage", "fastest", "--use_cpu", "--stage_recipe", '{"recompute_pointwise": "false"}']
     )
-    assert args.compile_recompute_pointwise == "false"
+    assert args.recipe.recompute_pointwise == "false" and args.recipe.fuse_projections == "auto"
 
 
 def test_help_works_without_apex_and_lists_every_field():

@@ -2,8 +2,8 @@
 
 transformers' ``sdpa`` attention calls ``torch.nn.functional.scaled_dot_product_attention``, and PyTorch picks a
 backend (FlashAttention, cuDNN, memory-efficient, math) by a fixed priority and the inputs. The fastest one depends
-on the GPU and the shape: on an H200, GPT-2 124M at 16 x 1024 spent 13.6 of its 45 ms `fastest` step in cuDNN's
-attention kernels (benchmarks/h200-2026-12-01-fastest). ``attention_backend`` names one backend, or ``"fastest"``:
+on the GPU and the shape, and attention is a large part of a long-sequence step. ``attention_backend`` names one
+backend, or ``"fastest"``:
 :func:`capture` records the model's first SDPA call on a real batch and ``hf_apex.autotune.attention_probe`` times
 each backend that can run it (forward and backward, the same shapes, memory layout, mask, dropout and scale) for the
 autotuner, which keeps the fastest whose results match the math backend's in FP32. :func:`preferring` then puts
@@ -12,11 +12,6 @@ backend computes the same attention; with dropout, each draws its own masks.
 
 Which mask SDPA gets is the other half: :func:`use_static_masks` runs a model as :data:`STATIC_MASKS`, transformers'
 ``sdpa`` attention with its masks decided without reading a tensor (below).
-
-``attention_backend="short"`` names hf_apex's own kernel instead (:mod:`hf_apex.kernels.short_attention`), a Triton
-kernel that holds a whole head of at most 128 tokens in one program. A model runs it as :data:`SHORT_KERNEL`, the
-static masks with that kernel for the calls it fits and SDPA for the others. On an H200 it was slower than cuDNN at
-BERT-base's shape (benchmarks/h200-2026-12-03-short), so ``"fastest"`` does not time it.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers import masking_utils
 
-from . import short_attention
 from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
 
 BACKENDS = {
@@ -46,8 +40,7 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-SHORT = short_attention.NAME  # hf_apex's kernel for short sequences: not an SDPA backend
-CHOICES = (*BACKENDS, SHORT, "fastest")  # the values of ``attention_backend`` besides None (PyTorch's own choice)
+CHOICES = (*BACKENDS, "fastest")  # the values of ``attention_backend`` besides None (PyTorch's own choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +145,7 @@ def preferring(backend: str | None):
     """SDPA's backends with ``backend`` first, then the others in PyTorch's own order; nothing changes for None or
     TORCH. Code compiled meanwhile is traced with that backend; AOTAutograd's on-disk cache, whose key leaves SDPA's
     priority out, is neither read nor written meanwhile (it would serve a graph traced under another priority)."""
-    if backend in (None, TORCH, SHORT):  # (SHORT: the model's attention function calls the kernel, SDPA the rest)
+    if backend in (None, TORCH):
         yield
         return
     if backend == "math":  # it runs every input, so it needs no fallback (and the CPU's choice ignores priority)
@@ -203,14 +196,12 @@ def runnable(device: torch.device | str) -> dict[str, str]:
 # `is_causal`, or no mask at all) only where it can tell that the mask is a plain causal or full pattern. Under
 # torch.compile it never can (transformers 5.17 checks "tracing?" first; later releases ask torch whether it is
 # exporting, which torch answers "yes" while compiling before 2.14), so every compiled step hands SDPA a full causal
-# mask in place of `is_causal` (on an H200, GPT-2 and Llama at 16 x 1024, that cost at most ~1 %:
-# benchmarks/h200-2026-12-01-masks). In eager it decides by reading the padding mask's values (`.all()`), a
+# mask in place of `is_causal`. In eager it decides by reading the padding mask's values (`.all()`), a
 # host-device sync on every forward. `STATIC_MASKS` is transformers' `sdpa` attention with a mask function that
 # decides from what is known without reading a tensor: no padding mask (hf_apex's collator leaves out an all-ones one
 # on the CPU) and no cache offset means no mask; a padding mask means the mask is built, without asking whether it is
 # all ones. The attention computed is the same either way.
 STATIC_MASKS = "hf_apex_sdpa"
-SHORT_KERNEL = "hf_apex_short"  # the same masks; attention by hf_apex's short-sequence kernel where a call fits
 _SDPA_LITERAL = re.compile(r"""_attn_implementation\s*[!=]=\s*["']sdpa["']""")
 
 
@@ -270,16 +261,14 @@ def _register_static_masks() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(STATIC_MASKS, sdpa_attention_forward)
-    AttentionInterface.register(SHORT_KERNEL, short_attention.attention_forward)
-    for name in (STATIC_MASKS, SHORT_KERNEL):
-        masking_utils.AttentionMaskInterface.register(name, _sdpa_mask)
+    masking_utils.AttentionMaskInterface.register(STATIC_MASKS, _sdpa_mask)
 
 
 def static_masks_blocker(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run :data:`STATIC_MASKS`, or None when it can (or already does)."""
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation in (STATIC_MASKS, SHORT_KERNEL):
+    if implementation == STATIC_MASKS:
         return None
     if implementation != "sdpa":
         return f"its attention is {implementation!r}, not transformers' 'sdpa'"
@@ -302,20 +291,18 @@ def _tests_for_sdpa(module_name: str) -> bool:
         return False
 
 
-def use_static_masks(model: torch.nn.Module, on: bool = True, kernel: bool = False) -> bool:
-    """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``), or with :data:`SHORT_KERNEL` (``on`` and
-    ``kernel``, where hf_apex's short-sequence kernel can run), or with transformers' own masks again; returns whether
-    it now runs with static masks. A model it does not fit (another attention implementation, one that tests for the
-    name "sdpa") is left as it is."""
+def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
+    """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``) or with transformers' own masks again;
+    returns whether it now runs with static masks. A model it does not fit (another attention implementation, one
+    that tests for the name "sdpa") is left as it is."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not on:
-        if implementation in (STATIC_MASKS, SHORT_KERNEL):
+        if implementation == STATIC_MASKS:
             model.set_attn_implementation("sdpa")
         return False
     if static_masks_blocker(model) is not None:
         return False
-    wanted = SHORT_KERNEL if kernel and short_attention.register() else STATIC_MASKS
-    if implementation != wanted:
+    if implementation != STATIC_MASKS:
         _register_static_masks()
-        model.set_attn_implementation(wanted)
-    return model.config._attn_implementation == wanted
+        model.set_attn_implementation(STATIC_MASKS)
+    return model.config._attn_implementation == STATIC_MASKS

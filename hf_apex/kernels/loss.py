@@ -34,13 +34,10 @@ from .availability import has_mm_out_dtype, has_triton_ops
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
 # Bytes of logits per chunk under the row kernel, which holds a chunk's logits in the matmul's dtype only and writes
-# their gradient in their place: 2 GiB, GPT-2's 16 x 1024 positions in one chunk in BF16, two in FP32. Each chunk adds
-# its part of the head's gradient into an FP32 buffer, and smaller chunks make smaller matmuls (on an H200 GPT-2's
-# loss alone took 7.55 ms in 4 chunks against 8.13 in 8, benchmarks/h200-2026-12-03-rows).
+# their gradient in their place: 2 GiB, GPT-2's 16 x 1024 positions in one chunk in BF16, two in FP32 (fewer, larger
+# matmuls; each chunk adds its part of the head's gradient into an FP32 buffer).
 ROW_CHUNK_BYTES = 2**31
-# The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast. With one
-# chunk and the gradients scaled in the row kernel, GPT-2's `fastest` step on an H200 took 35.59 ms on average against
-# 35.99 with 4 chunks of BF16 parts (one pair; the parts' shares not measured; benchmarks/h200-2026-12-03-headgrad).
+# The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast.
 FP32_HEAD_GRAD = True
 _MM_OUT_DTYPE = has_mm_out_dtype()  # (read as a constant under torch.compile)
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
@@ -49,10 +46,8 @@ SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-# The row kernel's columns per load and warps per row. On an H200 a chunk of 4,096 x 50,304 BF16 logits took 0.349 ms
-# with 2,048 and 4, as with 4,096 and 8, against 0.370 with 1,024 and 4; a kernel that held each row whole and read
-# it once took 0.560 ms (its registers spill): the kernel alone, 20 calls back to back (benchmarks/scripts/
-# row_kernel.py; benchmarks/h200-2026-12-03-vector).
+# The row kernel's columns per load and warps per row, the fastest timed on an H200 (benchmarks/scripts/row_kernel.py
+# times them).
 ROW_BLOCK, ROW_WARPS = 2048, 4
 
 

@@ -4,9 +4,7 @@ A transformers RoPE model (Llama, Mistral, Qwen, OLMo...) computes the cos and s
 (``model.model.rotary_emb``), and every attention layer rotates its queries and keys with them. Inductor does not
 keep them: they come from two small inputs (the positions and ``inv_freq``), so it inlines their computation into
 each layer's rotation kernels, and every element of the queries and keys evaluates a cos and a sin again, in the
-forward and in the backward. On an H200 those kernels took 2.4 ms per step of a Llama-arch 124M at 16 x 1024 tokens
-(``benchmarks/h200-2026-12-01-loss-test``), where reading and writing the queries and keys once would take about
-0.6 ms at the memory's speed.
+forward and in the backward: several times the cost of reading and writing the queries and keys once.
 
 :func:`compute_rotary_once` swaps the rotary embedding's class, on that instance only, for a subclass whose
 compiled forward hands cos and sin through ``hf_apex::materialize``, a copy the compiler cannot see into: they are

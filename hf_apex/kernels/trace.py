@@ -86,15 +86,12 @@ APEX_KERNELS: dict[str, re.Pattern] = {
 
 
 # Kernel-name patterns of the SDPA backends (hf_apex.kernels.attention): PyTorch's FlashAttention-2 port, its
-# memory-efficient (cutlass) kernels, cuDNN's generated SDPA kernels (whose names say "flash_fprop", not
-# "flash_fwd"), and hf_apex's own short-sequence kernels (hf_apex.kernels.short_attention). The math backend runs
-# plain matmuls and a softmax: nothing names it.
+# memory-efficient (cutlass) kernels and cuDNN's generated SDPA kernels (whose names say "flash_fprop", not
+# "flash_fwd"). The math backend runs plain matmuls and a softmax: nothing names it.
 SDPA_KERNELS: dict[str, re.Pattern] = {
     "flash": re.compile(r"pytorch_flash::|\bflash_(fwd|bwd)_"),
     "efficient": re.compile(r"fmha_cutlass|PyTorchMemEffAttention"),
     "cudnn": re.compile(r"cudnn\w*sdpa"),
-    # (Inductor appends _<n> to the name of a kernel it compiles into a graph)
-    "short": re.compile(r"\bshort_attention_(forward|backward)(_\d+)?\b"),
 }
 
 
@@ -113,15 +110,15 @@ def classify_kernels(names) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
-# On an H200 (torch 2.11), in fresh processes, every CUDA profile came back empty once a CPU-only torch.profiler
-# session had run after a profile that detached CUPTI, whatever the detach's timing or kineto's lazy re-init;
-# without the detach every profile recorded its kernels. In a longer process some later profiles still recorded
-# (benchmarks/h200-2026-12-01-auto-rounds).
+# Seen on torch 2.11 (H200): a CUDA profile comes back empty where profiles that detach CUPTI and profiles that do not
+# are mixed in one process: the first detaching profile after a plain CUDA profile, and CUDA profiles after a
+# CPU-only profile that followed a detaching one.
 EMPTY_PROFILE = (
     "hf_apex: the kernel profile recorded no CUDA kernel, so a kernel proof from it reads 'unverified'. On torch 2.11 "
-    "this was seen after a CPU-only torch.profiler session had run in the process following a profile that "
-    "detached CUPTI (as hf_apex's do, to keep later launches fast). Exporting TEARDOWN_CUPTI=0 before the process's "
-    "first profile kept every proof there; CUPTI then stays attached, which slows later kernel launches."
+    "this was seen where this process also ran torch.profiler sessions of its own (a plain CUDA profile before "
+    "hf_apex's, or a CPU-only one after it): hf_apex's profiles detach CUPTI when they end (to keep later launches "
+    "fast), and mixing the two kinds loses profiles. Exporting TEARDOWN_CUPTI=0 before the process's first profile "
+    "kept every proof there; CUPTI then stays attached, which slows later kernel launches."
 )
 
 
@@ -132,6 +129,7 @@ class KernelProfile:
         self._prof = None
         self._set_teardown = False
         self.running = False
+        self.kernel_names: list[str] = []  # the CUDA kernels of the last profile (stop)
 
     def start(self) -> KernelProfile:
         from torch.profiler import ProfilerActivity, profile
@@ -165,7 +163,9 @@ class KernelProfile:
         torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         self.running = False
-        names = [e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        names = self.kernel_names = [
+            e.name for e in self._prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
         if not names and torch.cuda.is_available():
             logger.warning(EMPTY_PROFILE)
         return {"apex": classify_kernels(names), "sdpa": sdpa_backends_seen(names), "cuda_kernels": len(names)}

@@ -65,6 +65,7 @@ def test_auto_decides_every_component_and_a_second_trainer_reuses_the_decisions(
     assert all(d["cached"] for d in second["autotune"])
 
 
+@pytest.mark.slow
 def test_compiled_follows_the_eager_bf16_loss_curve(tmp_path):
     eager = train(tmp_path / "eager", "torch_fused")
     compiled = train(tmp_path / "compiled", "compiled")
@@ -76,10 +77,11 @@ def test_compiled_follows_the_eager_bf16_loss_curve(tmp_path):
     assert compiled["run"]["torch_compile"] and compiled["run"]["first_step_ms"] > compiled["step_time_ms"]["p50"]
 
 
+@pytest.mark.slow
 def test_fastest_follows_the_eager_bf16_loss_curve_in_less_memory(tmp_path):
     eager = train(tmp_path / "eager", "torch_fused", steps=60)
     compiled = train(tmp_path / "compiled", "compiled", steps=60)
-    fastest = train(tmp_path / "fastest", "fastest", steps=60, compile_min_steps=0)  # compiled although short
+    fastest = train(tmp_path / "fastest", "fastest", steps=60, stage_recipe={"min_steps": 0})  # compiled, short
     assert fastest["lm_loss"] == {"fused_linear_cross_entropy": True, "reason": None}
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
@@ -111,7 +113,11 @@ def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve
     # step) and fused_full's eager maths, so the curve holds to fused_full's eager one
     eager = train(tmp_path / "eager", "fused_full", model_name="bert")
     auto = train(
-        tmp_path / "auto", "auto", model_name="bert", compile_min_steps=0, autotune_cache=str(tmp_path / "cache.json")
+        tmp_path / "auto",
+        "auto",
+        model_name="bert",
+        stage_recipe={"min_steps": 0},
+        autotune_cache=str(tmp_path / "cache.json"),
     )
     assert auto["run"]["torch_compile"] and auto["run"]["torch_compile_backend"] == "cudagraphs"
     assert auto["kernels"]["norms_under_torch_compile"].startswith("apex's kernel inside the CUDA graphs"), auto
@@ -122,12 +128,13 @@ def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve
     assert len(auto["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
 
 
+@pytest.mark.slow
 def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_path):
     # CUDA graphs cannot accumulate gradients over micro-batches (hf_apex.training_args.GRAPHS_CANNOT_ACCUMULATE: on
     # an H200, BERT fastest at two micro-batches of 64 stopped in its second backward), so fastest gives way to
     # torch's default mode and trains as torch_fused does at the same two micro-batches per step
     eager = train(tmp_path / "eager", "torch_fused", gradient_accumulation_steps=2)
-    fastest = train(tmp_path / "fastest", "fastest", compile_min_steps=0, gradient_accumulation_steps=2)
+    fastest = train(tmp_path / "fastest", "fastest", stage_recipe={"min_steps": 0}, gradient_accumulation_steps=2)
     assert fastest["run"]["torch_compile"] and fastest["run"]["torch_compile_mode"] is None
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in eager["loss_history"]], window=5
@@ -136,13 +143,13 @@ def test_fastest_under_gradient_accumulation_compiles_without_cuda_graphs(tmp_pa
 
 
 def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_path):
-    """Under `fastest`'s compile_eager_random, dropout's masks come from torch's generator inside the CUDA graphs of
+    """Under `fastest`'s eager_random, dropout's masks come from torch's generator inside the CUDA graphs of
     its compile mode: every replay draws new ones. A graph that replayed the masks it recorded would train every
     step under one mask."""
     from hf_apex.trainer import compiled_step_settings
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", report_to="none")
-    assert args.compile_eager_random and args.torch_compile_mode == "reduce-overhead"
+    assert args.recipe.eager_random and args.torch_compile_mode == "reduce-overhead"
     torch._dynamo.reset()
     dropout = torch.compile(
         lambda x: torch.nn.functional.dropout(x * 2, 0.5, training=True), mode=args.torch_compile_mode
@@ -165,20 +172,31 @@ def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_pat
             assert not torch.equal(mask, other)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_fused_projections_follow_the_compiled_loss_curve(tmp_path, model_name):
-    """compile_fuse_projections on BERT (query, key and value: one group a layer) and on GPT-2, whose attention's
-    projections are one Conv1D already (nothing to fuse): the compiled loss curve of the run without it."""
+def test_fused_projections_follow_the_compiled_loss_curve(tmp_path, model_name, monkeypatch):
+    """The recipe's fuse_projections on BERT (query, key and value: one group a layer) and on GPT-2, whose
+    attention's projections are one Conv1D already (nothing to fuse): every graph Inductor compiles has its groups
+    fused, and the loss curve is the compiled one without it."""
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    from hf_apex.kernels.projections import COUNTER
+    from hf_apex.kernels import projections
 
     plain = train(tmp_path / "plain", "compiled", model_name=model_name)
-    before = counters["inductor"][COUNTER]
+    fused_per_graph, run_pass = [], projections.FuseSharedInputLinears.__call__
+
+    def counting(self, graph):  # the groups each pass over a Dynamo graph fused
+        before = counters["inductor"][projections.COUNTER]
+        run_pass(self, graph)
+        fused_per_graph.append(counters["inductor"][projections.COUNTER] - before)
+
+    monkeypatch.setattr(projections.FuseSharedInputLinears, "__call__", counting)
+    torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):  # (a graph from Inductor's caches skips the pass)
-        fused = train(tmp_path / "fused", "compiled", model_name=model_name, compile_fuse_projections=True)
-    assert counters["inductor"][COUNTER] - before == {"bert": 4, "gpt2": 0}[model_name]  # (BERT: 4 layers)
+        fused = train(tmp_path / "fused", "compiled", model_name=model_name, stage_recipe={"fuse_projections": True})
+    layers = {"bert": 4, "gpt2": 0}[model_name]
+    assert fused_per_graph and set(fused_per_graph) == {layers}, fused_per_graph
     assert fused["kernels"]["projections"].startswith("Inductor's pre-grad pass runs the linears")
     agreement = loss_curve_agreement(
         [h["loss"] for h in fused["loss_history"]], [h["loss"] for h in plain["loss_history"]], window=5

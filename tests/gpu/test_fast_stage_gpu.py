@@ -38,7 +38,7 @@ import torch
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import SHARED_DATA, loss_curve_agreement, require_apex, require_cuda, require_shared_data
 
-pytestmark = [pytest.mark.gpu, require_cuda, require_apex, require_shared_data]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, require_cuda, require_apex, require_shared_data]
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))

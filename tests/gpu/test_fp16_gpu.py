@@ -53,6 +53,7 @@ def train(out, amp_dtype):
     return trainer, json.loads((out / METRICS_FILENAME).read_text())
 
 
+@pytest.mark.slow
 def test_fp16_with_a_grad_scaler_follows_the_bf16_run(tmp_path):
     fp16, fp16_metrics = train(tmp_path / "fp16", "fp16")
     _, bf16_metrics = train(tmp_path / "bf16", "bf16")
