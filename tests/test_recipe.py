@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,27 @@ def test_wikitext2_on_real_data(real_slices, tmp_path):
     assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0  # CPU: the fallback is stated
 
 
+def docstring_commands(header: str) -> list[list[str]]:
+    """The commands under the comment of finetune.py's docstring that starts with ``header``, up to the blank line
+    that ends them, as argument lists."""
+    block = finetune.__doc__.split(header, 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    return [shlex.split(line)[2:] for line in block.splitlines() if line.strip().startswith("python ")]
+
+
+@require_shared_data
+def test_the_docstrings_cpu_commands_run_on_a_cpu(real_slices, tmp_path):
+    """As written (on slices of the data, for two steps): a GPU stage or a missing --use_cpu would fail here."""
+    commands = docstring_commands("# On a CPU")
+    assert [argv[argv.index("--task") + 1] for argv in commands] == ["sst2", "wikitext2"]
+    for argv in commands:
+        assert "--use_cpu" in argv
+        out = tmp_path / argv[argv.index("--task") + 1]
+        argv = [arg.replace("../shared/data", str(SHARED_DATA)) for arg in argv]
+        argv += ["--data_dir", str(real_slices), "--output_dir", str(out), "--max_steps", "2"]
+        finetune.main([*argv, "--max_eval_samples", "4", "--report_to", "none", "--disable_tqdm", "true"])
+        assert metrics_of(out)["run"]["precision"] == "fp32"
+
+
 @pytest.mark.parametrize("task", ["sst2", "wikitext2"])
 def test_generated_data(task, generated_data, word_tokenizer, tmp_path, caplog):
     shape = ["--block_size", "32"] if task == "wikitext2" else ["--pad_to_max_length", "--max_seq_length", "16"]
@@ -143,7 +165,7 @@ def test_generated_data(task, generated_data, word_tokenizer, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("stage", ["baseline", "fused_adam"])
-def test_resume_continues_the_same_loss_trajectory(stage, generated_data, word_tokenizer, tmp_path):
+def test_resume_continues_the_same_loss_trajectory(stage, generated_data, word_tokenizer, tmp_path, caplog):
     def run(out, *extra):
         flags = f"--stage {stage} --max_steps 6 --learning_rate 1e-3 --save_strategy steps --save_steps 3".split()
         flags += extra
@@ -152,9 +174,14 @@ def test_resume_continues_the_same_loss_trajectory(stage, generated_data, word_t
         return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
 
     straight = run(tmp_path / "a")
-    resumed = run(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="finetune"):
+        resumed = run(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"))
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+    # The resumed run says so, from which checkpoint and step; it is not announced as a random init
+    assert f"Resuming from {tmp_path / 'a' / 'checkpoint-3'} at step 3: bert (" in caplog.text
+    assert "FROM SCRATCH" not in caplog.text
 
 
 def run_cli(*args, env=None):
@@ -317,6 +344,105 @@ def test_strict_kernels_without_a_gpu_fail_before_anything_loads(tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.startswith("finetune.py: error: apex_strict_kernels=True") and "no CUDA GPU" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+# A Hub id that does not exist and no data: a flag checked after the tokenizer or the data loads fails on those instead
+NOTHING_LOADS = ["--task", "sst2", "--model_type", "bert", "--tokenizer_name", "hf-apex-tests/no-such-tokenizer"]
+NOTHING_LOADS += ["--data_dir", "no-such-data", "--use_cpu"]
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--per_device_train_batch_size", "0", "per_device_train_batch_size"),  # ApexTrainingArguments' own checks
+        ("--max_steps", "-5", "max_steps"),
+        ("--metrics_warmup_steps", "-1", "metrics_warmup_steps must be >= 0, got -1"),
+        ("--max_train_samples", "0", "--max_train_samples must be >= 1, got 0."),  # the script's
+    ],
+)
+def test_a_flag_out_of_range_stops_in_one_line_before_anything_loads(flag, value, says, tmp_path):
+    out = run_cli(*NOTHING_LOADS, flag, value, "--output_dir", str(tmp_path / "out"), env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("finetune.py: error: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert says in out.stderr and value in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_train_samples", 0), ("max_eval_samples", -1), ("block_size", 0), ("max_seq_length", -128)],
+)
+def test_the_scripts_numbers_out_of_range_are_refused(field, value):
+    with pytest.raises(finetune.InputError, match=f"^--{field} must be >= 1, got {value}.$"):
+        finetune.check_args(
+            finetune.ScriptArguments(model_type="bert", tokenizer_name="bert-base-uncased", **{field: value})
+        )
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (dict(model_type="bertt"), "--model_type bertt: no such architecture in transformers (did you mean bert"),
+        (dict(model_type="gpt2", config_overrides="n_layers=2"), "n_layers=2: key n_layers isn't in the original"),
+        (dict(model_type="gpt2", config_overrides="n_layer=two"), "n_layer=two: invalid literal for int()"),
+    ],
+)
+def test_a_bad_architecture_or_override_is_refused_before_the_data_loads(flags, says):
+    with pytest.raises(finetune.InputError, match=re.escape(says)):
+        finetune.check_args(finetune.ScriptArguments(tokenizer_name="gpt2", **flags))
+
+
+def fake_checkpoint(folder: Path, step: int) -> Path:
+    (folder / f"checkpoint-{step}").mkdir(parents=True)
+    (folder / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return folder / f"checkpoint-{step}"
+
+
+def test_a_folder_of_checkpoints_is_refused_before_the_data_loads(word_tokenizer, tmp_path):
+    """A second run into the --output_dir of a first would train from scratch over its checkpoints."""
+    out = tmp_path / "out"
+    for step in (3, 12):
+        fake_checkpoint(out, step)
+    with pytest.raises(finetune.InputError) as refused:  # (before the missing --data_dir is noticed)
+        finetune.main(recipe_args("sst2", tmp_path / "no-such-data", word_tokenizer, out))
+    assert str(refused.value) == (
+        f"--output_dir {out} holds checkpoints of an earlier run: continue it with --resume_from_checkpoint "
+        f"{out / 'checkpoint-12'}, or give a fresh --output_dir (--overwrite_output_dir starts over here, deleting "
+        "them)."
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-12", "checkpoint-3"]
+
+
+def test_overwrite_output_dir_starts_over_there(generated_data, word_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    fake_checkpoint(out, 3)
+    (out / "checkpoint-notes").mkdir()  # not a checkpoint's name: kept
+    finetune.main(
+        recipe_args("sst2", generated_data, word_tokenizer, out, "--max_steps", "2", "--overwrite_output_dir")
+    )
+    assert not (out / "checkpoint-3").exists() and (out / "checkpoint-notes").is_dir()
+    assert metrics_of(out)["train"]["train_loss"] > 0 and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "resume, extra, says",
+    [
+        ("out/checkpoint-9", [], "--resume_from_checkpoint {tmp}/out/checkpoint-9: no such folder."),
+        (
+            "out",
+            [],
+            "--resume_from_checkpoint {tmp}/out: not a Trainer checkpoint (holds checkpoints, the last is "
+            "{tmp}/out/checkpoint-3).",
+        ),
+        ("out/checkpoint-3", ["--overwrite_output_dir"], "--overwrite_output_dir starts over: give one."),
+    ],
+    ids=["missing", "output-dir", "and-overwrite"],
+)
+def test_a_resume_that_cannot_work_is_refused_before_the_data_loads(resume, extra, says, word_tokenizer, tmp_path):
+    fake_checkpoint(tmp_path / "out", 3)
+    argv = recipe_args("sst2", tmp_path / "no-such-data", word_tokenizer, tmp_path / "out", *extra)
+    with pytest.raises(finetune.InputError, match=re.escape(says.format(tmp=tmp_path))):
+        finetune.main([*argv, "--resume_from_checkpoint", str(tmp_path / resume)])
 
 
 def test_a_typo_gets_a_short_error_with_the_choices():
