@@ -15,12 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 # has two folders or more before site-packages (a fragment such as `sys.prefix + "/lib/site-packages"` is not one).
 ROOTS = "home|root|tmp|work|workspace|scratch|usr|opt|srv|mnt|var|Users|private|Volumes|nfs|lustre|gpfs"
 MACHINE_PATH = re.compile(
-    rf"(?<![\w.~/:])/(?:{ROOTS})/[\w.@+-]"  # /home/alice/..., /tmp/x, /usr/lib/...
-    r"|(?<![\w.~/:>])/(?:[\w.+-]+/){2,}(?:site|dist)-packages/"  # /prefix/lib/python3.x/site-packages/
-    r"|(?<![\w\\])[A-Za-z]:\\\\?[A-Za-z]"  # C:\Users\..., written with one backslash or two
+    rf"(?<![\w.~/:])/(?:{ROOTS})/[\w.@+-]"  # a root folder of ROOTS, then a name
+    r"|(?<![\w.~/:>])/(?:[\w.+-]+/){2,}(?:site|dist)-packages/"  # an install prefix, then site-packages
+    r"|(?<![\w\\])[A-Za-z]:\\\\?[A-Za-z]"  # a drive letter, written with one backslash or two
 )
-# Absolute paths that are not a machine's: the same on every POSIX system, named by what they are.
-NOT_MACHINE = re.compile(r"^(?:#!/usr/bin/env |#!/bin/)")  # a script's interpreter line
+# An absolute path that is not a machine's: the same on every POSIX system (a script's interpreter line).
+NOT_MACHINE = re.compile(r"#!/usr/bin/env\b")
 
 
 def machine_paths(text: str) -> list[tuple[int, str]]:
@@ -28,7 +28,7 @@ def machine_paths(text: str) -> list[tuple[int, str]]:
     return [
         (n, line.strip())
         for n, line in enumerate(text.splitlines(), 1)
-        if MACHINE_PATH.search(line) and not NOT_MACHINE.match(line)
+        if MACHINE_PATH.search(NOT_MACHINE.sub("", line))
     ]
 
 
