@@ -116,7 +116,7 @@ def test_rows_ratios_and_table():
 
 
 def _steps(median: float, n: int, seed: int) -> list[float]:
-    """Step times like BERT's host-bound ones on the H200 (benchmarks/h200-2026-11-30): ±2 % jitter and, in
+    """Step times like BERT's host-bound ones on the H200 (46ca0e8:benchmarks/h200-2026-11-30): ±2 % jitter and, in
     one step out of six, bursts of 8 steps 25 % slower."""
     rng = np.random.default_rng(seed)
     x = median * (1 + 0.02 * rng.standard_normal(n))

@@ -49,7 +49,13 @@ def test_two_process_ddp_matches_one_process(stage, tmp_path):
     single = torch.load(tmp_path / "single" / "params-rank0.pt")
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), f"ranks diverged at {name}"
-        torch.testing.assert_close(rank0[name], single[name], rtol=1e-5, atol=1e-6, msg=f"DDP vs 1 process: {name}")
+        ddp, one = rank0[name], single[name]
+        if name.endswith("attn.c_attn.bias"):
+            # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by a query's
+            # logits): what is left is rounding noise, which Adam scales up to full steps. Compare q and v only.
+            hidden = ddp.numel() // 3
+            ddp, one = torch.cat([ddp[:hidden], ddp[2 * hidden :]]), torch.cat([one[:hidden], one[2 * hidden :]])
+        torch.testing.assert_close(ddp, one, rtol=1e-5, atol=1e-6, msg=f"DDP vs 1 process: {name}")
     assert len(rank0) > 10  # the dumps hold the model's tensors
 
     ddp = json.loads((tmp_path / "ddp" / METRICS_FILENAME).read_text())

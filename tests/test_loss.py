@@ -205,7 +205,7 @@ def test_the_row_kernel_reads_the_logits_16_bytes_at_a_time():
     """The row kernel masks its loads at the padded width and sets the columns past the vocabulary to -inf in
     registers: compiled for an H200 (here, by Triton, without a GPU), it loads GPT-2's logits in 16-byte vectors.
     Masked at the vocabulary, which is not a multiple of 16, every load was 2 bytes, and the kernel took 0.396 ms a
-    chunk against 0.349 (benchmarks/h200-2026-12-03-vector)."""
+    chunk against 0.349 (46ca0e8:benchmarks/h200-2026-12-03-vector)."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend compiles the kernel for sm_90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     repo = Path(__file__).resolve().parents[1]

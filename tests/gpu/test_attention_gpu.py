@@ -56,7 +56,7 @@ def train(tmp_path, **kw):
 class SdpaOps(TorchDispatchMode):
     """The fused SDPA backends whose operators a region dispatches. Not a CPU-only profile: after a CUPTI detach, one
     can leave the later CUDA profiles of the process empty, and this module's tests run several Trainers in one
-    process (benchmarks/h200-2026-12-01-auto-rounds)."""
+    process (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds)."""
 
     def __init__(self):
         super().__init__()
@@ -114,7 +114,7 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
 # hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it, each around
 # one backend's training call, and between them nothing else or a user's CPU-only profile. On an H200 (torch 2.11),
 # in fresh processes, every CUDA profile after such a CPU-only profile came back empty; in a pytest process some
-# later ones recorded (benchmarks/h200-2026-12-01-auto-rounds). Either way an empty one must not name a backend.
+# later ones recorded (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds). Either way an empty one must not name a backend.
 PROFILES = """
 import json, sys, torch
 from hf_apex.kernels import attention, trace

@@ -12,7 +12,7 @@ tests/gpu/test_beyond_seed_gpu.py), the final evaluation loss within 2 %.
 BERT trains here without dropout (Inductor draws its own random numbers, so with dropout a compiled run's masks
 are not eager's). This random-init, post-LayerNorm classifier at learning rate 1e-4 first sits on the plateau of
 guessing (loss ln 2), and its exit from it is chaotic: a change of rounding anywhere in the step sets it off on a
-course of its own. On an H200 (benchmarks/h200-2026-12-01-loss-test), `fastest`, `compiled` and `torch_fused`
+course of its own. On an H200 (46ca0e8:benchmarks/h200-2026-12-01-loss-test), `fastest`, `compiled` and `torch_fused`
 kept within 0.22 % of each other over the first 50 steps (10-step means), then left the plateau within a few steps
 of each other and parted by up to 41 % (`fastest` against `compiled`, which runs the same Inductor graphs) and 37 %
 (against `torch_fused`). So BERT's curve is held to `torch_fused`'s on the plateau, the first 50 steps, where the
@@ -23,7 +23,7 @@ losses below 0.6, from ln 2 = 0.69) and both classify far better than guessing (
 accuracies differ is not held to a bound: it is set by when each left the plateau. Their gap was 0.2, 1.5 and 1.2
 points in three H200 runs, then 6.4 points on 2026-12-02 (`fastest` 77.3 %, `torch_fused` 70.9 %), where
 `torch_fused` left the plateau later (last-20 mean loss 0.554 against 0.425) and its plateau still agreed within
-0.25 % (benchmarks/h200-2026-12-02-dropout). GPT-2 and Llama keep their dropout and the strict test over all 200
+0.25 % (46ca0e8:benchmarks/h200-2026-12-02-dropout). GPT-2 and Llama keep their dropout and the strict test over all 200
 steps: a language model's loss falls from the first step.
 """
 
