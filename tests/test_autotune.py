@@ -458,8 +458,8 @@ def test_a_trial_that_cannot_tell_the_backends_apart_is_a_tie():
     noisy = [50.0, 45.0, 55.0, 44.0, 56.0, 45.0, 55.0, 50.0]
     assert _run_trial(_steps(plan, noisy, [x + 2.0 for x in noisy])).tied()
     assert not _run_trial(_steps(plan, noisy, [x + 15.0 for x in noisy])).tied()
-    # An H200 trial (BERT-base 128 x 128, 46ca0e8:benchmarks/h200-2026-12-02-bert-rounds, run bert-auto: steps 2-17 as its
-    # metrics recorded them; the passes had chosen torch): every step in one slow stretch of the host
+    # An H200 trial (BERT-base 128 x 128, 46ca0e8:benchmarks/h200-2026-12-02-bert-rounds, run bert-auto: steps 2-17
+    # as its metrics recorded them; the passes had chosen torch): every step in one slow stretch of the host
     h200 = [58.1, 61.4, 60.0, 59.1, 59.7, 56.1, 53.8, 62.5, 69.6, 65.6, 61.7, 58.9, 57.2, 60.3, 51.7, 92.9]
     slow_stretch = _run_trial(h200, first=TORCH)
     assert slow_stretch.medians()[TORCH] < slow_stretch.medians()[APEX] and slow_stretch.tied()

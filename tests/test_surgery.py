@@ -325,8 +325,8 @@ def test_a_kernel_profile_sets_cupti_teardown_until_it_is_closed(monkeypatch, yo
 
 @pytest.mark.parametrize("kernels", [0, 2])
 def test_an_empty_kernel_profile_on_a_gpu_says_why_the_proof_is_missing(monkeypatch, caplog, kernels):
-    # kineto can leave a process's later CUDA profiles empty (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds): the proof then
-    # reads "unverified", and the log says when that happens and what keeps the proof.
+    # kineto can leave a process's later CUDA profiles empty (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds): the
+    # proof then reads "unverified", and the log says when that happens and what keeps the proof.
     class Event:
         name, device_type = "void multi_tensor_apply_kernel<AdamFunctor>", torch.autograd.DeviceType.CUDA
 

@@ -114,7 +114,8 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
 # hf_apex's kernel profiles one after another in one process, each closed as a Trainer run closes it, each around
 # one backend's training call, and between them nothing else or a user's CPU-only profile. On an H200 (torch 2.11),
 # in fresh processes, every CUDA profile after such a CPU-only profile came back empty; in a pytest process some
-# later ones recorded (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds). Either way an empty one must not name a backend.
+# later ones recorded (46ca0e8:benchmarks/h200-2026-12-01-auto-rounds). Either way an empty one must not name a
+# backend.
 PROFILES = """
 import json, sys, torch
 from hf_apex.kernels import attention, trace

@@ -23,8 +23,8 @@ losses below 0.6, from ln 2 = 0.69) and both classify far better than guessing (
 accuracies differ is not held to a bound: it is set by when each left the plateau. Their gap was 0.2, 1.5 and 1.2
 points in three H200 runs, then 6.4 points on 2026-12-02 (`fastest` 77.3 %, `torch_fused` 70.9 %), where
 `torch_fused` left the plateau later (last-20 mean loss 0.554 against 0.425) and its plateau still agreed within
-0.25 % (46ca0e8:benchmarks/h200-2026-12-02-dropout). GPT-2 and Llama keep their dropout and the strict test over all 200
-steps: a language model's loss falls from the first step.
+0.25 % (46ca0e8:benchmarks/h200-2026-12-02-dropout). GPT-2 and Llama keep their dropout and the strict test over
+all 200 steps: a language model's loss falls from the first step.
 """
 
 import gc
