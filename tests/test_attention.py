@@ -1,6 +1,6 @@
 """attention_backend: the model's first SDPA call is captured, each backend that can run it is timed, the fastest
 whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py; the timing
-probe: hf_apex/autotune.py)."""
+probe: hf_apex/autotune/probes.py)."""
 
 import dataclasses
 import json

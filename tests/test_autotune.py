@@ -1,11 +1,12 @@
 """auto: the faster backend is chosen, parity failures are excluded, the cache is consulted before anything is
 measured, decisions are per trainer and per run, and a resumed run keeps its checkpoint's optimizer. Timings are
-injected; the norm and optimizer paths run for real on CPU with torch stand-ins for apex's kernels."""
+injected (a fake timer for the candidates, a fake clock for the trial on whole steps), so no verdict depends on how
+busy the machine is; the norm and optimizer paths run for real on CPU with torch stand-ins for apex's kernels."""
 
 import dataclasses
+import functools
 import json
 import logging
-import time
 import types
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import transformers
 
 from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback, autotune, rewire
 from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
+from hf_apex.autotune import tuner as autotuner_module
 from hf_apex.kernels import norms, optim, trace
 from hf_apex.kernels.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
@@ -36,6 +38,19 @@ class FakeTimer:
         return self.times[name]
 
 
+class FakeClock:
+    """A clock for the norms' trial (``Autotuner(clock=...)``, seconds): time moves only when a test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def prepare_counting(calls, parity=True):
     """A `prepare` for Autotuner.choose that records that it was called."""
 
@@ -49,7 +64,7 @@ def prepare_counting(calls, parity=True):
 @pytest.fixture
 def env(monkeypatch):
     key = {"gpu": "GPU-A", "torch": "2.11", "cuda": "13.0", "hf_apex": "0.1", "apex": "abc"}
-    monkeypatch.setattr(autotune, "environment_key", lambda: dict(key))
+    monkeypatch.setattr(autotuner_module, "environment_key", lambda: dict(key))
     return key
 
 
@@ -219,7 +234,8 @@ def auto_args(out, **kw):
 
 
 def fix_timings(monkeypatch, times):
-    monkeypatch.setattr(autotune, "cuda_timer", FakeTimer(times))
+    """The candidates' times of every Autotuner built from now on (the default timer, as a trainer builds one)."""
+    monkeypatch.setattr(autotuner_module, "cuda_timer", FakeTimer(times))
 
 
 def test_each_trainer_and_each_run_report_their_own_decisions(fake_apex, tmp_path, monkeypatch):
@@ -323,7 +339,7 @@ def test_auto_decides_the_norms_on_whole_training_steps(fake_apex, tmp_path, mon
             timed.append((fn.backend, norm_calls[fn.backend]))
         return times[fn.backend]
 
-    monkeypatch.setattr(autotune, "cuda_timer", timer)
+    monkeypatch.setattr(autotuner_module, "cuda_timer", timer)
     trainer = ApexTrainer(
         model=tiny_model("gpt2").train(), args=auto_args(tmp_path / "run"), train_dataset=TokenDataset()
     )
@@ -341,15 +357,21 @@ def test_auto_decides_the_norms_on_whole_training_steps(fake_apex, tmp_path, mon
     assert counts[chosen] == 3 * n_norms and counts.get(other, 0) == counts["fallback"] == 0  # the 3 steps only
 
 
-def _slow(forward):
+def _ticking(forward, clock: FakeClock, seconds: float):
     def run(*args):
-        # Per norm call: slower on the host, as apex's path is on a host-bound BERT step. The margin must stay
-        # above the steps' own spread, or the trial calls a tie and caches nothing: 0.03 s (0.15 s a step) did
-        # not, once, on a 2-core machine running two other jobs.
-        time.sleep(0.08)
+        clock.advance(seconds)  # per norm call: this backend's share of a step, on the trial's clock
         return forward(*args)
 
     return run
+
+
+def _norms_on_the_clock(fake_apex, monkeypatch, clock: FakeClock, slow: str | None) -> None:
+    """Each call of apex's stand-in or of torch's LayerNorm moves ``clock``: ``slow``'s by 1/16 s, the other's by
+    1/64 s, as apex's path is slower on the host of a host-bound BERT step (both by 1/64 s where ``slow`` is None).
+    Powers of two: the steps' times are exact, the medians' spread 0."""
+    seconds = {APEX: 1 / 64, TORCH: 1 / 64} | ({slow: 1 / 16} if slow else {})
+    fake_apex(_ticking(_correct, clock, seconds[APEX]))
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", _ticking(torch.nn.LayerNorm.forward, clock, seconds[TORCH]))
 
 
 @pytest.mark.parametrize("slow, accumulation", [(APEX, 1), (TORCH, 1), (APEX, 2)])
@@ -357,16 +379,16 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     """The passes (timed forward + backward) pick one backend; the training steps that follow are slower with it,
     which the trial measures on the steps themselves, so the other backend trains the rest of the run, and the disk
     cache keeps that verdict for the next run."""
-    fake_apex(_slow(_correct) if slow == APEX else _correct)
-    if slow == TORCH:
-        monkeypatch.setattr(torch.nn.LayerNorm, "forward", _slow(torch.nn.LayerNorm.forward))
+    clock = FakeClock()
+    _norms_on_the_clock(fake_apex, monkeypatch, clock, slow)
     faster = TORCH if slow == APEX else APEX
     fix_timings(monkeypatch, {slow: 1.0, faster: 2.0})  # the passes say the slow one is faster
     steps = autotune.TRIAL_MIN_STEPS
 
-    def run(name):  # (FP32: a CPU's BF16 autocast would drown the stand-in's slowness)
+    def run(name):  # (FP32: faster than a CPU's BF16 autocast)
         args = auto_args(tmp_path / name, max_steps=steps, bf16=False, gradient_accumulation_steps=accumulation)
         trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.autotuner.clock = clock  # the trial's steps on the fake clock
         trainer.train()
         return trainer, json.loads((tmp_path / name / METRICS_FILENAME).read_text())
 
@@ -374,14 +396,14 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     norm_decisions = [d for d in metrics["autotune"] if d["component"] == "norms"]
     assert [(d["backend"], d["cached"]) for d in norm_decisions] == [(slow, False), (faster, False)]
     steps_decision = norm_decisions[1]
-    assert steps_decision["reason"].startswith("whole steps") and set(steps_decision["times_ms"]) == {APEX, TORCH}
-    assert steps_decision["times_ms"][slow] > steps_decision["times_ms"][faster]
+    n_norms = sum(1 for m in trainer.model.modules() if norms.is_swapped(m))
+    per_step = n_norms * accumulation  # norm calls per optimizer step
+    assert steps_decision["reason"].startswith("whole steps")  # each backend's steps, as the fake clock timed them
+    assert steps_decision["times_ms"] == {slow: per_step * 1e3 / 16, faster: per_step * 1e3 / 64}
     # Step 1 (the passes' step) and the trial's first and last blocks ran the passes' choice, its middle two the
     # other; the rest of the run the trial's verdict. Every call is counted, none lost in the switches.
-    n_norms = sum(1 for m in trainer.model.modules() if norms.is_swapped(m))
     with_slow = 1 + 2 * autotune.TRIAL_BLOCK
     counts = metrics["kernels"]["calls"]["layer_norm"]
-    per_step = n_norms * accumulation
     assert counts[slow] == with_slow * per_step and counts[faster] == (steps - with_slow) * per_step
     assert "kernel=" + faster in repr(trainer.model)  # print(model) shows what runs now
     # The trial's steps and the one after it (profiled) are warm-up: the timed steps all ran the verdict.
@@ -393,51 +415,42 @@ def test_a_long_run_checks_the_passes_choice_on_whole_steps(fake_apex, tmp_path,
     assert again["run"]["warmup_steps"] == 1  # no trial: the run's own warm-up
 
 
-class _FixedSteps:
-    """A StepTimer for NormTrial whose steps take the milliseconds given, in order."""
-
-    def __init__(self, ms):
-        self.ms, self.starts = ms, 0
-
-    def start(self):
-        self.starts += 1
-
-    def stop(self):
-        pass
-
-    def drain(self, final=False):
-        return self.ms[: self.starts]
+def _begin(trial, clock: FakeClock, step: int, ms: list[float]) -> bool:
+    """``trial.begin(step)`` once the fake clock has moved by the planned step before it (``ms``, in order)."""
+    if 1 < step <= len(ms) + 1:
+        clock.advance(ms[step - 2] / 1e3)
+    return trial.begin(step)
 
 
 def test_the_trial_leaves_out_each_switch_and_every_interrupted_step():
     switched = []
     passes = autotune.Decision("norms", {}, APEX, {APEX: 1.0, TORCH: 2.0})
-    trial = autotune.NormTrial({}, passes, switched.append, cuda=False, after=0)
+    clock = FakeClock()
+    trial = autotune.NormTrial({}, passes, switched.append, cuda=False, after=0, clock=clock)
     assert trial.plan == [APEX] * 4 + [TORCH] * 8 + [APEX] * 4  # A B B A, blocks of TRIAL_BLOCK
     # apex's steps take 10 ms, torch's 12, each block's first (the switch) 50, and the three torch steps during which
     # an evaluation ran 100
     ms = [50.0 if i % 4 == 0 else (10.0 if b == APEX else 12.0) for i, b in enumerate(trial.plan)]
     ms[5] = ms[6] = ms[7] = 100.0
-    trial.timer = _FixedSteps(ms)
     assert not trial.begin(0)  # another micro-batch of the passes' step: nothing starts
     for step in range(1, len(trial.plan) + 1):
-        assert not trial.begin(step) and not trial.begin(step)  # (a second micro-batch of the same step)
+        assert not _begin(trial, clock, step, ms) and not trial.begin(step)  # (a second micro-batch of the step)
         if step in (6, 7, 8):
             trial.interrupt()
-    assert trial.begin(len(trial.plan) + 1)  # every planned step ran: ready to decide
+    assert _begin(trial, clock, len(trial.plan) + 1, ms)  # every planned step ran: ready to decide
     assert switched == [TORCH, APEX]  # at the two edges where the backend changes
-    assert trial.medians() == {APEX: 10.0, TORCH: 12.0}
+    assert trial.medians() == pytest.approx({APEX: 10.0, TORCH: 12.0})
     trial._dropped = set(range(4, 12))  # had every torch step been interrupted, torch would have none left
-    assert trial.medians() == {APEX: 10.0}
+    assert trial.medians() == pytest.approx({APEX: 10.0})
 
 
 def _run_trial(ms, first=APEX):
     """A NormTrial whose planned steps took ``ms``, in order, run to its end."""
     passes = autotune.Decision("norms", {}, first, {APEX: 1.0, TORCH: 2.0})
-    trial = autotune.NormTrial({}, passes, lambda backend: None, cuda=False, after=0)
-    trial.timer = _FixedSteps(ms)
-    assert not any(trial.begin(step) for step in range(1, len(trial.plan) + 1))
-    assert trial.begin(len(trial.plan) + 1)
+    clock = FakeClock()
+    trial = autotune.NormTrial({}, passes, lambda backend: None, cuda=False, after=0, clock=clock)
+    assert not any(_begin(trial, clock, step, ms) for step in range(1, len(trial.plan) + 1))
+    assert _begin(trial, clock, len(trial.plan) + 1, ms)
     return trial
 
 
@@ -451,7 +464,7 @@ def test_a_trial_that_cannot_tell_the_backends_apart_is_a_tie():
     plan = [APEX] * 4 + [TORCH] * 8 + [APEX] * 4
     # clearly apart: 10 against 12 ms, each within 0.1 ms
     apart = _run_trial(_steps(plan, [10.0, 10.1, 9.9] * 3, [12.0, 12.1, 11.9] * 3))
-    assert apart.medians() == {APEX: 10.0, TORCH: 12.0} and not apart.tied()
+    assert apart.medians() == pytest.approx({APEX: 10.0, TORCH: 12.0}) and not apart.tied()
     # within 1 %: 10.00 against 10.05 ms, however steady
     assert _run_trial(_steps(plan, [10.0] * 8, [10.05] * 8)).tied()
     # 4 % apart, but each backend's steps spread by 3 ms around its median: a tie; 30 % apart with that spread: not
@@ -466,20 +479,22 @@ def test_a_trial_that_cannot_tell_the_backends_apart_is_a_tie():
 
 
 def test_a_tie_on_whole_steps_is_not_cached_and_the_next_run_checks_again(fake_apex, tmp_path, monkeypatch):
-    fake_apex(_correct)
+    clock = FakeClock()
+    _norms_on_the_clock(fake_apex, monkeypatch, clock, slow=None)  # every step takes the same time on the clock
     fix_timings(monkeypatch, {APEX: 1.0, TORCH: 2.0})  # the passes say apex
-    monkeypatch.setattr(autotune, "StepTimer", lambda cuda: _FixedSteps([10.0] * autotune.TRIAL_STEPS))
 
     def run(name):
         args = auto_args(tmp_path / name, max_steps=autotune.TRIAL_MIN_STEPS, bf16=False)
-        ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset()).train()
+        trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
+        trainer.autotuner.clock = clock
+        trainer.train()
         metrics = json.loads((tmp_path / name / METRICS_FILENAME).read_text())
         return [d for d in metrics["autotune"] if d["component"] == "norms"]
 
     for name in ("first", "second"):  # the second run times the passes and the steps again: nothing was cached
         passes, steps = run(name)
         assert (passes["backend"], passes["cached"], steps["cached"]) == (APEX, False, False)
-        assert steps["times_ms"] == {APEX: 10.0, TORCH: 10.0} and "a tie" in steps["reason"]
+        assert steps["times_ms"][APEX] == steps["times_ms"][TORCH] > 0 and "a tie" in steps["reason"]
         cached = json.loads((tmp_path / "cache.json").read_text())
         assert not [e for e in cached.values() if e["key"].get("component") == "norms"]
 
@@ -505,8 +520,11 @@ def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
     import bench
     import plain_loop
 
-    fake_apex(_slow(_correct))
+    clock = FakeClock()
+    _norms_on_the_clock(fake_apex, monkeypatch, clock, slow=APEX)
     fix_timings(monkeypatch, {APEX: 1.0, TORCH: 2.0})  # the passes say apex; its steps are slower
+    # the loop builds its own Autotuner (as ApexTrainer does): this one times the trial's steps on the fake clock
+    monkeypatch.setattr(plain_loop, "Autotuner", functools.partial(Autotuner, clock=clock))
     steps = autotune.TRIAL_MIN_STEPS
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", str(steps - 1), "--warmup", "1"])
     flags = bench.finetune_args("gpt2", "auto", opts, tmp_path / "run", nproc=1)
@@ -516,6 +534,7 @@ def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
     assert len(result["steps_ms"]) == steps and result["warmup_steps"] == autotune.TRIAL_WARMUP
     (verdict,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
     assert verdict["key"]["decided_on"] == "whole steps" and verdict["backend"] == TORCH
+    assert verdict["times_ms"][APEX] == 4 * verdict["times_ms"][TORCH] > 0  # the steps, as the fake clock timed them
 
 
 def test_a_run_that_stops_during_the_trial_keeps_the_passes_choice(fake_apex, tmp_path, monkeypatch):
