@@ -73,7 +73,7 @@ from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.distributed import close_process_group
 from hf_apex.kernels.availability import portable_path
 from hf_apex.measure.report import update_metrics_file
-from hf_apex.trainer import validate_apex_args
+from hf_apex.policy import validate_apex_args
 from hf_apex.training_args import uses_cuda_graphs
 
 logger = logging.getLogger("finetune")

@@ -17,6 +17,7 @@ read at the end), and written with the losses to OUT.json.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
@@ -39,14 +40,8 @@ from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
 from hf_apex.kernels.rotary import compute_rotary_once
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.trainer import (
-    DropFullAttentionMask,
-    HostCopy,
-    compiled_step_settings,
-    drops_full_attention_mask,
-    keep_fp32_strict,
-    why_not_compile,
-)
+from hf_apex.policy import compiled_step_settings, drops_full_attention_mask, why_not_compile
+from hf_apex.runtime import DropFullAttentionMask, HostCopy, strict_fp32
 from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
 
@@ -78,8 +73,12 @@ def main(out_json: str, argv: list[str]) -> dict:
             "plain_loop.py: needs --max_steps > 0 and --gradient_accumulation_steps 1 (what make bench runs)"
         )
     set_seed(args.seed)
-    if args.tf32 is False:  # as ApexTrainer.train (on torch.compile the setting is part of the graphs' cache key)
-        keep_fp32_strict()
+    # as ApexTrainer.train (on torch.compile the setting is part of the graphs' cache key)
+    with strict_fp32() if args.tf32 is False else contextlib.nullcontext():
+        return run(script_args, args, out_json)
+
+
+def run(script_args, args: ApexTrainingArguments, out_json: str) -> dict:
     tokenizer = finetune.load_tokenizer(script_args)
     model = finetune.load_model(script_args, tokenizer)
     prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2

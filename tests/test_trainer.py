@@ -12,7 +12,7 @@ from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCall
 from hf_apex.kernels.norms import is_swapped
 from hf_apex.kernels.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME, process_age_s, summary_lines
-from hf_apex.trainer import _fsdp_version, validate_apex_args
+from hf_apex.policy import fsdp_version, validate_apex_args
 from tests.testing_utils import TokenDataset, tiny_model
 
 SEED_STAGES = list(STAGES)[:4]
@@ -178,9 +178,9 @@ def test_fsdp2_is_accepted_with_apex_optimizers(monkeypatch, tmp_path):
         validate_apex_args(train_args(tmp_path, stage="fused_adam", apex_optimizer_kwargs={"master_weights": True}))
     # transformers' own flags (TrainingArguments refuses FSDP without a GPU, so a stand-in carries them)
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    assert _fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={})) == 2  # transformers' default
-    assert _fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={"version": 1})) == 1
-    assert _fsdp_version(SimpleNamespace(fsdp=False, fsdp_config=None)) is None
+    assert fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={})) == 2  # transformers' default
+    assert fsdp_version(SimpleNamespace(fsdp=True, fsdp_config={"version": 1})) == 1
+    assert fsdp_version(SimpleNamespace(fsdp=False, fsdp_config=None)) is None
 
 
 def test_stock_trainer_with_the_callback_writes_metrics(tmp_path):
@@ -442,7 +442,7 @@ def test_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_indu
 def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path):
     """`auto` (fastest's value): BERT's compiled steps run the pass, a Llama's and a GPT-2's do not."""
     from hf_apex.kernels.projections import FUSE_SHARED_INPUT_LINEARS
-    from hf_apex.trainer import compile_settings
+    from hf_apex.policy import compile_settings
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True)
     inductor = {family: compile_settings(args, tiny_model(family)) for family in ("bert", "llama", "gpt2")}
@@ -548,16 +548,24 @@ def test_a_rewired_reference_model_does_not_count_into_the_run(tmp_path):
     assert calls["layer_norm"]["fallback"] == 10 and trainer.stage_metrics.calls()["layer_norm"]["fallback"] == 10
 
 
-def test_strict_fp32_holds_even_after_something_turned_tf32_on(tmp_path):
+def test_strict_fp32_holds_during_the_run_even_after_something_turned_tf32_on_and_is_undone_after(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = True  # what accelerate does for torch.compile in FP32
+    seen = []
+
+    class Flags(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+
     trainer = ApexTrainer(
         model=tiny_model("gpt2").train(),
         args=train_args(tmp_path, stage="baseline", max_steps=2),
         train_dataset=TokenDataset(),
+        callbacks=[Flags()],
     )
     trainer.train()
-    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert seen == [(False, False)] * 2
     assert json.loads((tmp_path / METRICS_FILENAME).read_text())["run"]["fp32_matmul_precision"] == "highest"
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True  # as found
 
 
 def test_the_training_loop_does_not_sync_per_micro_batch(tmp_path, monkeypatch):
@@ -701,9 +709,9 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, family, ta
 def test_bf16_autocast_warns_on_a_cpu_without_bf16_hardware(native_bf16, tmp_path, caplog, monkeypatch):
     import logging
 
-    import hf_apex.trainer
+    import hf_apex.policy
 
-    monkeypatch.setattr(hf_apex.trainer, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(hf_apex.policy, "cpu_has_native_bf16", lambda: native_bf16)
     with caplog.at_level(logging.WARNING, logger="hf_apex"):
         ApexTrainer(
             model=tiny_model("gpt2"), args=train_args(tmp_path, stage="fused_full"), train_dataset=TokenDataset()
@@ -742,7 +750,7 @@ def test_epoch_logging_carries_the_stage_metrics(tmp_path):
 
 def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_host(tmp_path):
     from hf_apex.kernels.attention import STATIC_MASKS
-    from hf_apex.trainer import DropFullAttentionMask
+    from hf_apex.runtime import DropFullAttentionMask
 
     collate = DropFullAttentionMask(torch.utils.data.default_collate)
     full = [{"input_ids": torch.arange(4), "attention_mask": torch.ones(4, dtype=torch.long)}] * 2
@@ -789,7 +797,8 @@ def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_hos
 def test_in_eager_a_model_with_a_pad_token_keeps_its_all_ones_mask(tmp_path):
     """Given no mask, transformers would look for the pad token in every row's first and last token, a device sync
     per forward; so only compiled runs, or models without a pad token, leave the mask out."""
-    from hf_apex.trainer import DropFullAttentionMask, drops_full_attention_mask
+    from hf_apex.policy import drops_full_attention_mask
+    from hf_apex.runtime import DropFullAttentionMask
 
     padded_model = tiny_model("gpt2", pad_token_id=0)
     eager, compiled = train_args(tmp_path, max_steps=1), train_args(tmp_path, max_steps=1, torch_compile=True)
@@ -812,7 +821,7 @@ def test_in_eager_a_model_with_a_pad_token_keeps_its_all_ones_mask(tmp_path):
 
 
 def test_a_run_too_short_to_repay_compilation_runs_eager_and_says_why(tmp_path, caplog):
-    from hf_apex.trainer import why_not_compile
+    from hf_apex.policy import why_not_compile
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True, max_steps=3)
     assert args.recipe.min_steps == 500 and args.torch_compile  # the stage's default threshold

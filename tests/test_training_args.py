@@ -7,7 +7,7 @@ from transformers import HfArgumentParser
 from transformers.utils import is_torch_bf16_gpu_available
 
 from hf_apex import STAGES, ApexTrainingArguments, StageRecipe
-from hf_apex.trainer import why_not_compile
+from hf_apex.policy import why_not_compile
 from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
 
 
@@ -89,7 +89,7 @@ def test_auto_replays_its_eager_kernels_as_cuda_graphs_in_one_process_only(monke
     args = make(stage="auto")
     assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "cudagraphs", None)
     assert uses_cuda_graphs(args) and graph_norm_kernel(args) == "apex" and args.recipe.min_steps == 2500
-    # Without a GPU the trainer runs the eager kernels as they are (hf_apex.trainer.why_not_compile; this machine)
+    # Without a GPU the trainer runs the eager kernels as they are (hf_apex.policy.why_not_compile; this machine)
     assert "no CUDA GPU" in why_not_compile(make(stage="auto", max_steps=5000), None)
     assert graph_norm_kernel(make(stage="fastest")) == graph_norm_kernel(make(stage="compiled")) == "torch"
     # A backend of yours wins (a default of the stage, as the mode is)

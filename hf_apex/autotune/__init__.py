@@ -15,7 +15,7 @@ The package, one concern a module: :mod:`.probes` (the timer and each component'
 """
 
 from ..kernels.trace import APEX, TORCH
-from .cache import DecisionCache, default_cache_path, environment_key
+from .cache import STATE_FILE, DecisionCache, checkpoint_decisions, default_cache_path, environment_key, save_decisions
 from .probes import (
     attention_probe,
     cuda_timer,
@@ -36,7 +36,7 @@ from .trial import (
     ClockSteps,
     NormTrial,
 )
-from .tuner import AUTOTUNE_PARAM_BYTES, STATE_FILE, TIMING_ROUNDS, Autotuner, Decision
+from .tuner import AUTOTUNE_PARAM_BYTES, TIMING_ROUNDS, Autotuner, Decision
 
 __all__ = [
     "APEX",
@@ -56,6 +56,7 @@ __all__ = [
     "DecisionCache",
     "NormTrial",
     "attention_probe",
+    "checkpoint_decisions",
     "cuda_timer",
     "default_cache_path",
     "environment_key",
@@ -63,6 +64,7 @@ __all__ = [
     "optimizer_probe",
     "passes_probe",
     "rel_err",
+    "save_decisions",
     "tolerance",
     "training_pass",
 ]

@@ -14,6 +14,33 @@ from ..kernels.availability import environment
 
 logger = logging.getLogger("hf_apex")
 
+STATE_FILE = "hf_apex_autotune.json"  # in each checkpoint: the decisions a resumed run must keep
+
+
+def save_decisions(folder: str, decisions: dict) -> None:
+    """Write a run's decisions into a checkpoint folder (or any folder a model is saved to)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump(decisions, f, indent=1)
+
+
+def checkpoint_decisions(checkpoint: str | None) -> dict | None:
+    """The decisions saved with ``checkpoint``, which a run resumed from it must keep (None: no checkpoint, or one
+    saved without autotune, which is said)."""
+    if not checkpoint:
+        return None
+    path = os.path.join(checkpoint, STATE_FILE)
+    if not os.path.isfile(path):
+        logger.warning(
+            "hf_apex: %s has no %s (it was saved without autotune): if autotune now picks another optimizer than the "
+            "one whose state it holds, loading that state fails.",
+            checkpoint,
+            STATE_FILE,
+        )
+        return None
+    with open(path) as f:
+        return json.load(f)
+
 
 def default_cache_path() -> Path:
     return Path(os.environ.get("HF_APEX_CACHE") or Path.home() / ".cache" / "hf_apex" / "autotune.json")

@@ -26,7 +26,6 @@ from .trial import TRIAL_TIE, NormTrial
 logger = logging.getLogger("hf_apex")
 
 AUTOTUNE_PARAM_BYTES = 2**29  # time the optimizer on at most 512 MiB of the model's parameters (a sample)
-STATE_FILE = "hf_apex_autotune.json"  # in each checkpoint: the decisions a resumed run must keep
 TIMING_ROUNDS = 3  # candidates are timed in turns, this many rounds each
 
 

@@ -146,7 +146,7 @@ def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_pat
     """Under `fastest`'s eager_random, dropout's masks come from torch's generator inside the CUDA graphs of
     its compile mode: every replay draws new ones. A graph that replayed the masks it recorded would train every
     step under one mask."""
-    from hf_apex.trainer import compiled_step_settings
+    from hf_apex.policy import compiled_step_settings
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", report_to="none")
     assert args.recipe.eager_random and args.torch_compile_mode == "reduce-overhead"

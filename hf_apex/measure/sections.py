@@ -1,0 +1,92 @@
+"""The sections ``ApexTrainer`` adds to the metrics JSON at the end of a run: what was rewired, the loss, autotune's
+decisions, what the compiled graphs and the attention ran, and the DDP wrapper's settings."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.attention import STATIC_MASKS
+from ..kernels.norms import is_swapped
+from ..kernels.trace import APEX, TORCH
+from ..policy import compile_settings, why_not_fuse_projections
+from ..runtime import DropFullAttentionMask, loss_reads_outputs
+from ..training_args import graph_norm_kernel
+
+
+def norms_in_graphs(trainer) -> str:
+    """Which norm kernels run inside the run's compiled graphs."""
+    inside = {m.hf_apex_graph_kernel for m in trainer.model.modules() if is_swapped(m)}
+    if APEX in inside:
+        return "apex's kernel inside the CUDA graphs (the cudagraphs backend: no code generation)" + (
+            "; the stock op where apex's kernel cannot run" if TORCH in inside else ""
+        )
+    if graph_norm_kernel(trainer.args) == APEX:
+        return "stock torch op inside the CUDA graphs (apex's norms cannot run there: the log says why)"
+    return "stock torch op inside the compiled graph (Inductor)"
+
+
+def trainer_sections(trainer) -> dict:
+    """What ``trainer`` adds to the metrics JSON at the end of its run."""
+    kernels = {}
+    settings = compile_settings(trainer.args, trainer.model)  # (empty in a run that skipped compiling: args of eager)
+    inductor = settings.get("torch._inductor.config", {})
+    if trainer.args.apex_fused_norms and trainer.args.torch_compile:
+        kernels["norms_under_torch_compile"] = norms_in_graphs(trainer)
+    if trainer.compile_skipped:
+        kernels["torch_compile"] = f"not used: {trainer.compile_skipped}"
+    elif "torch._functorch.config" in settings:
+        kernels["compiled_backward"] = "recomputes the pointwise results its matmuls read (recompute_pointwise)"
+    elif trainer.args.torch_compile and trainer.args.recipe.recompute_pointwise == "auto":
+        kernels["compiled_backward"] = (
+            "keeps the pointwise results its matmuls read (recompute_pointwise=auto: the loss runs without the logits)"
+        )
+    if "fallback_random" in inductor:
+        kernels["random_ops"] = "torch's own kernels inside the compiled graph (eager_random)"
+    if "pre_grad_custom_pass" in inductor:
+        kernels["projections"] = (
+            "Inductor's pre-grad pass runs the linears that read one input as one matmul, where it can "
+            "(fuse_projections)"
+        )
+    elif trainer.args.torch_compile and trainer.args.recipe.fuse_projections != "false":
+        kernels["projections"] = f"not fused: {why_not_fuse_projections(trainer.args, trainer.model)}"
+    if isinstance(trainer.data_collator, DropFullAttentionMask):
+        kernels["attention_mask"] = "left out of batches where it is all ones"
+    if trainer.static_masks:
+        implementation = getattr(getattr(trainer.model, "config", None), "_attn_implementation", STATIC_MASKS)
+        kernels["attention_masks"] = (
+            f"{implementation}: decided without reading a tensor (no padding: no mask, SDPA's is_causal; "
+            "a batch without position_ids: one sequence per row)"
+        )
+    if trainer.args.attention_backend:
+        kernels["attention_backend"] = trainer.sdpa_backend or "torch (PyTorch's own choice)"
+    if trainer.rotary_once is not None and trainer.args.torch_compile:
+        kernels["rotary_embedding"] = (
+            f"cos/sin computed once per compiled forward ({trainer.rotary_once} module(s), rotary_once)"
+            if trainer.rotary_once
+            else "no rotary embedding in this model (rotary_once)"
+        )
+    if trainer.fp32_outputs_dropped:
+        kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"
+    elif not trainer.args.fp32_outputs and loss_reads_outputs(trainer) and (trainer.args.bf16 or trainer.args.fp16):
+        kernels["model_outputs"] = "FP32 (accelerate's conversion kept: the loss is computed from the outputs)"
+    return {
+        "rewire": trainer.rewire_report.to_dict() if trainer.rewire_report else None,
+        "lm_loss": trainer.loss_fusion,
+        "autotune": trainer.autotuner.report() if trainer.autotuner else [],
+        "kernels": kernels,
+        "ddp": ddp_settings(trainer),
+    }
+
+
+def ddp_settings(trainer) -> dict | None:
+    """What the DistributedDataParallel wrapper of this run really used (None without DDP)."""
+    ddp = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # torch.compile wraps the DDP module
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return None
+    return {
+        "find_unused_parameters": ddp.find_unused_parameters,
+        "static_graph": ddp.static_graph,
+        "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "broadcast_buffers": ddp.broadcast_buffers,
+    }
