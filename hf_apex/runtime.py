@@ -17,17 +17,24 @@ from transformers import Trainer, TrainerCallback
 @contextlib.contextmanager
 def strict_fp32():
     """FP32 matmuls, convolutions and RNNs without TF32 while it lasts (what a run with ``tf32=False`` means), then the
-    settings found before. transformers' ``tf32=False`` sets only torch's global FP32 precision, which a backend's
-    TF32 switch made earlier in the process overrides (accelerate turns it on for torch.compile in FP32)."""
-    backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
-    saved = [backend.fp32_precision for backend in backends]
+    settings found before, through the API they were set with: the ``allow_tf32`` switches, or the per-backend
+    ``fp32_precision`` where the process set those (torch refuses to read one API after the other was set).
+    transformers' ``tf32=False`` sets only torch's global FP32 precision, which a backend's TF32 switch made earlier
+    in the process overrides (accelerate turns it on for torch.compile in FP32)."""
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    precisions = [(b, "fp32_precision", b.fp32_precision) for b in (cuda, cudnn.conv, cudnn.rnn)]
     try:
-        for backend in backends:
-            backend.fp32_precision = "ieee"
+        switches = [(cuda, "allow_tf32", cuda.allow_tf32), (cudnn, "allow_tf32", cudnn.allow_tf32)]
+        strict = False
+    except RuntimeError:
+        switches, strict = precisions, "ieee"
+    try:
+        for target, name, _ in switches:
+            setattr(target, name, strict)
         yield
     finally:
-        for backend, value in zip(backends, saved):
-            backend.fp32_precision = value
+        for target, name, value in switches + precisions:  # (a switch sets the precisions its own way)
+            setattr(target, name, value)
 
 
 def drop_fp32_outputs(model: nn.Module, scope: contextlib.ExitStack) -> bool:

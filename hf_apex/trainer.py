@@ -45,9 +45,9 @@ class ApexTrainer(Trainer):
     **Subclass contract** (each point tested in ``tests/test_subclass.py``). These may be overridden; call ``super()``
     to keep what hf_apex adds:
 
-    - ``compute_loss``: yours computes every training loss (and times autotune's norm trials: keep it free of side
-      effects beyond the loss). Its outputs come in FP32, as accelerate gives them (the stage's outputs in the
-      autocast dtype are for the stock loss only); the kernels, autotune and metrics stay.
+    - ``compute_loss``: yours computes every training loss, and the passes autotune times and captures the attention
+      call from (keep it free of side effects beyond the loss). It gets the outputs in FP32, as accelerate gives them,
+      and the logits (no loss without logits); the kernels, autotune and metrics stay.
     - ``training_step``: runs inside hf_apex's per-step settings (compile recipe, SDPA backend, masks); calling
       ``super()`` keeps them.
     - ``create_optimizer`` / ``get_optimizer_cls_and_kwargs``: an optimizer of yours replaces apex's (the metrics say
@@ -139,7 +139,7 @@ class ApexTrainer(Trainer):
 
     def _static_masks_off(self) -> None:
         if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)
-            self.static_masks = use_static_masks(self.model, on=False)
+            use_static_masks(self.model, on=False)
 
     def training_step(self, model, inputs, *args, **kwargs):
         masks = self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs

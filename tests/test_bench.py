@@ -887,8 +887,9 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
     word_tokenizer,  # noqa: F811
     tmp_path,
 ):
-    """ApexTrainer.train sets the backends' FP32 precision when tf32=False; a plain loop that did not ran its matmuls
-    under another setting, and under torch.compile compiled graphs the Trainer run had cached under another key."""
+    """ApexTrainer.train sets the backends' FP32 precision when tf32=False, for the run; a plain loop that did not ran
+    its matmuls under another setting, and under torch.compile compiled graphs the Trainer run had cached under another
+    key."""
     import plain_loop
     import torch
 
@@ -897,10 +898,18 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     matmul = torch.backends.cuda.matmul  # (its settings go through __getattr__: monkeypatch cannot put them back)
     before, matmul.fp32_precision = matmul.fp32_precision, "none"
+    seen, run = [], plain_loop.run
+
+    def noted_run(*args):
+        seen.append(matmul.fp32_precision)
+        return run(*args)
+
     try:
+        plain_loop.run = noted_run
         plain_loop.main(str(tmp_path / "plain.json"), flags)
-        assert matmul.fp32_precision == "ieee"
+        assert seen == ["ieee"] and matmul.fp32_precision == "none"  # strict for the run, then as it was
     finally:
+        plain_loop.run = run
         matmul.fp32_precision = before
 
 
