@@ -142,7 +142,7 @@ class ApexTrainer(Trainer):
             use_static_masks(self.model, on=False)
 
     def training_step(self, model, inputs, *args, **kwargs):
-        masks = self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
+        masks = self._one_sequence_per_row(inputs)
         with policy.compiled_step_settings(self.args, self.model), one_sequence_per_row(masks):
             if self.autotuner is not None:
                 self.autotuner.at_step(self.state.global_step)  # (the norms' trial on whole steps, while it runs)
@@ -160,6 +160,11 @@ class ApexTrainer(Trainer):
                         "costs every step); this model needs it: pass --ddp_find_unused_parameters true."
                     ) from error
                 raise
+
+    def _one_sequence_per_row(self, inputs) -> bool:
+        """Whether this batch's rows are one sequence each, known without reading a tensor: under static masks, a
+        batch without ``position_ids``."""
+        return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
 
     def _decide_on_first_batch(self, inputs) -> None:
         """The run's one-off decisions: the model's output dtype, autotune's norms and SDPA backend."""
@@ -221,8 +226,7 @@ class ApexTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        masks = self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
-        with preferring(self.sdpa_backend), one_sequence_per_row(masks):
+        with preferring(self.sdpa_backend), one_sequence_per_row(self._one_sequence_per_row(inputs)):
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
         if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy
             loss, logits, labels = outputs
