@@ -209,9 +209,7 @@ class ApexTrainer(Trainer):
 
     def _choose_attention(self, inputs: dict) -> str:
         """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""
-        if (
-            policy.fsdp_version(self.args) or self.is_deepspeed_enabled
-        ):  # a partial forward would strand gathered shards
+        if policy.fsdp_version(self.args) or self.is_deepspeed_enabled:  # a partial forward would strand shards
             return self.autotuner.choose_attention(None, blocked="not timed under FSDP or DeepSpeed")
         raw = self.model.train()  # as the step runs it: with dropout (from_pretrained gives it in eval mode)
         return self.autotuner.choose_attention(capture_attention(lambda: self._autocast_loss(raw, inputs)))
