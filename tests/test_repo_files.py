@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # An absolute path into a machine's own layout: a home, user or scratch folder, a system or install prefix, an
 # installed package's folder, a Windows drive. The character before it is not one that makes it part of something
-# else: a word (`shared/data`), `.` or `~` (`./tmp/`, `~/x`: relative), `/` or `:` (a URL's `//host/home/...`);
+# else: a word (`shared/data`), `.` or `~` (`./srv/`, `~/x`: relative), `/` or `:` (a URL's `//host/home/...`);
 # and for an installed package's folder, `>` (`<prefix>/lib/...`, hf_apex's portable form), whose path from the root
 # has two folders or more before site-packages (a fragment such as `sys.prefix + "/lib/site-packages"` is not one).
 ROOTS = "home|root|tmp|work|workspace|scratch|usr|opt|srv|mnt|var|Users|private|Volumes|nfs|lustre|gpfs"
@@ -83,10 +83,10 @@ def test_the_check_tells_machine_paths_from_the_rest():
         "#!/usr/bin/env python3",
         "#!/bin/bash",
         "2>/dev/null; read /proc/self/stat",
-        "https://github.com/home/tmp/blob/main/x.py",
+        "https://github.com/home/srv/blob/main/x.py",
         "../shared/data/tokenizers/gpt2 and .deps/data",
         "<prefix>/lib/python3.12/site-packages/apex and …/site/apex",
-        "~/work/x and ./tmp/y and $HOME/tmp/z",
+        "~/scratch/x and ./srv/y and $HOME/scratch/z",
         "Paths are shown from `site-packages/` on",
         'sys.prefix + "/lib/site-packages/apex"',
         r"a regex r'line:\s+' and (?:\d+)",
