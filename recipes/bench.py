@@ -42,6 +42,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import time
@@ -112,6 +113,60 @@ MODELS = {
         "intermediate_size=2048,max_position_embeddings=1024,vocab_size=50257,tie_word_embeddings=True",
     },
 }
+# The families set (--models families): an encoder and decoders of other norms, attention and heads than the three
+# above, and one of over 1B parameters, at the shapes of the published configs (random init; RoPE's theta and
+# scaling left at the config's defaults, which cost the same). Real data through the local GPT-2 tokenizer; the
+# vocabularies keep their published sizes. Eight sequences of 1024 tokens as published LMs are trained on one GPU;
+# one run per row, 30 timed steps.
+_FAMILY = {**_CAUSAL_LM, "batch": 8, "steps": 30, "repeats": 1, "repeat_stages": ()}
+MODELS |= {
+    "roberta": {  # RoBERTa-base
+        **MODELS["bert"],
+        "model_type": "roberta",
+        "tokenizer": "gpt2",
+        "overrides": "vocab_size=50265,max_position_embeddings=514,type_vocab_size=1,layer_norm_eps=1e-5",
+        "steps": 60,
+        "repeats": 1,
+        "repeat_stages": (),
+    },
+    "qwen3": {  # Qwen3-0.6B: QK-norm, grouped-query attention, head_dim 128, a 152k vocabulary
+        **_FAMILY,
+        "model_type": "qwen3",
+        "overrides": "hidden_size=1024,num_hidden_layers=28,num_attention_heads=16,num_key_value_heads=8,head_dim=128,"
+        "intermediate_size=3072,vocab_size=151936,max_position_embeddings=40960,tie_word_embeddings=True,"
+        "rms_norm_eps=1e-6",
+    },
+    "pythia": {  # Pythia-410M (GPT-NeoX): parallel residual, partial rotary, LayerNorm with biases, untied head
+        **_FAMILY,
+        "model_type": "gpt_neox",
+        "overrides": "hidden_size=1024,num_hidden_layers=24,num_attention_heads=16,intermediate_size=4096,"
+        "vocab_size=50304,max_position_embeddings=2048,use_parallel_residual=True,tie_word_embeddings=False",
+    },
+    "llama1b": {  # Llama-3.2-1B: 1.24B parameters, grouped-query attention, a 128k vocabulary
+        **_FAMILY,
+        "model_type": "llama",
+        "overrides": "hidden_size=2048,num_hidden_layers=16,num_attention_heads=32,num_key_value_heads=8,head_dim=64,"
+        "intermediate_size=8192,vocab_size=128256,max_position_embeddings=131072,tie_word_embeddings=True,"
+        "rms_norm_eps=1e-5",
+    },
+}
+# --models takes a set's name too; `make bench` runs the default set.
+SETS = {"default": ["bert", "gpt2", "llama"], "families": ["roberta", "qwen3", "pythia", "llama1b"]}
+
+# What a user would run instead of hf_apex, as bench rows beside the stages: transformers' own Trainer (through
+# recipes/finetune.py --trainer stock, with the same metrics callback), never ApexTrainer. Every row of a bench that
+# has stock_compiled gets its speedup against it (bench_report.REFERENCE).
+_STOCK = ["--trainer", "stock", "--optim", "adamw_torch_fused", "--bf16", "true"]
+REFERENCES = {
+    "stock_compiled": [*_STOCK, "--torch_compile", "true"],
+    "liger": [*_STOCK, "--use_liger_kernel", "true"],  # Liger-Kernel's Triton kernels, eager
+    "liger_compiled": [*_STOCK, "--use_liger_kernel", "true", "--torch_compile", "true"],
+}
+ROWS = [*STAGES, *REFERENCES]
+# The stages a set runs by default on CUDA: the whole ladder and the references for the three bench models, the
+# references and fastest for the families.
+DEFAULT_STAGES = {"default": ROWS, "families": ["stock_compiled", "fastest", "liger", "liger_compiled"]}
+
 # Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
 TINY = {
     "bert": dict(
@@ -129,17 +184,42 @@ TINY = {
         eval_samples=8,
     ),
 }
+TINY |= {
+    "roberta": {**TINY["bert"], "overrides": TINY["bert"]["overrides"] + ",vocab_size=50265"},
+    "qwen3": {**TINY["llama"], "overrides": TINY["llama"]["overrides"] + ",vocab_size=50304"},
+    "pythia": {
+        **TINY["gpt2"],
+        "overrides": "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128,vocab_size=50304",
+    },
+    "llama1b": TINY["llama"],
+}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Run the hf_apex stage ladder and print the table.")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all on CUDA, bert gpt2 on CPU")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=[*MODELS, *SETS],
+        help="models, or a set's name: default (bert gpt2 llama, the default on CUDA; bert gpt2 on CPU) or families "
+        "(roberta qwen3 pythia llama1b: other architectures, and one of over 1B parameters)",
+    )
     parser.add_argument(
         "--stages",
         nargs="+",
-        choices=list(STAGES),
-        help="default on CUDA: all eight, the seed's ladder, then torch_fused, compiled, fastest and auto; on CPU: "
-        "the seed's ladder",
+        choices=ROWS,
+        help="stages, and rows of transformers' own Trainer: stock_compiled (torch_compile, fused AdamW, BF16), "
+        "liger and liger_compiled (the same with use_liger_kernel, eager and compiled; models Liger-Kernel has no "
+        "kernels for are skipped). Default on CUDA: for the default set all eight stages, the seed's ladder, then "
+        "torch_fused, compiled, fastest and auto, then the three stock rows; for the families set the stock rows and "
+        "fastest; on CPU: the seed's ladder",
+    )
+    parser.add_argument(
+        "--cold_warm",
+        action="store_true",
+        help="run each compiled row twice, in rounds: first with empty compile caches (torch's Inductor cache and "
+        "hf_apex's, which also holds autotune's decisions: a first run on a new machine), then a second run with the "
+        "caches the first left (a rerun on the same machine); the table says how long each took to step 10",
     )
     parser.add_argument(
         "--steps",
@@ -229,11 +309,29 @@ def run_name(model: str, stage: str, nproc: int, repeat: int = 0) -> str:
 
 def repeats(name: str, stage: str, opts) -> int:
     """Runs of this model and stage: --repeats, else the model's default for its precision and stage (one on
-    CPU)."""
-    if opts.repeats:
-        return opts.repeats
+    CPU); at least two for a compiled row under --cold_warm."""
     spec = MODELS[name]
-    return 1 if opts.tiny or stage not in spec["repeat_stages"] else spec["repeats"]
+    runs = opts.repeats or (1 if opts.tiny or stage not in spec["repeat_stages"] else spec["repeats"])
+    return max(runs, 2) if opts.cold_warm and compiles(stage) else runs
+
+
+def compiles(stage: str) -> bool:
+    return "--torch_compile" in REFERENCES[stage] if stage in REFERENCES else STAGES[stage].torch_compile
+
+
+def why_skipped(name: str, stage: str) -> str | None:
+    """Why a Liger row of this model cannot run here: Liger-Kernel not installed, or no kernels for the
+    architecture (asked of the installed Liger-Kernel itself)."""
+    if not stage.startswith("liger"):
+        return None
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    model_type = MODELS[name]["model_type"]
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return f"Liger-Kernel has no kernels for {model_type}"
+    return None
 
 
 def model_batch(text: str) -> tuple[str, int]:
@@ -251,14 +349,13 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
     data = Path(opts.data_dir) if opts.data_dir else None
     tok_dir = data / "tokenizers" / spec["tokenizer"] if data else None
     batch = dict(opts.batch).get(name, tiny["batch"] if opts.tiny else spec["batch"])
-    steps = opts.steps or spec["steps" if STAGES[stage].bf16 else "fp32_steps"]
+    steps = opts.steps or spec["steps" if stage in REFERENCES or STAGES[stage].bf16 else "fp32_steps"]
     args = [
         "--task",
         spec["task"],
         "--model_type",
         spec["model_type"],
-        "--stage",
-        stage,
+        *(REFERENCES[stage] if stage in REFERENCES else ["--stage", stage]),
         "--tokenizer_name",
         str(tok_dir) if tok_dir and tok_dir.is_dir() else spec["tokenizer"],
         *(["--data_dir", str(data)] if data else []),
@@ -297,9 +394,9 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
         str(out),
         "--dataloader_num_workers",
         "2",
-        "--stage_recipe",  # compiled rows measure the compiled steps; the table says when compilation pays
-        '{"min_steps": 0}',
     ]
+    if stage not in REFERENCES:  # compiled rows measure the compiled steps; the table says when compilation pays
+        args += ["--stage_recipe", '{"min_steps": 0}']
     overrides = tiny["overrides"] if opts.tiny else spec.get("overrides")
     if overrides:
         args += ["--config_overrides", overrides]
@@ -358,7 +455,7 @@ def _check_forked(cuda: bool) -> None:
         torch.zeros(1, device="cuda").add_(1).cpu()
 
 
-def _run_script(script: str, args: list[str], log: str) -> None:
+def _run_script(script: str, args: list[str], log: str, env: dict[str, str]) -> None:
     """What `python script args > log 2>&1` does, in a process forked from the fork server: a fresh process (no
     CUDA context, no compiled code, no allocator state) whose Python imports are already done."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -370,6 +467,7 @@ def _run_script(script: str, args: list[str], log: str) -> None:
             stream.reconfigure(line_buffering=True)
     multiprocessing.set_start_method(None, force=True)  # loader workers start as in a new interpreter, not from here
     os.chdir(REPO)
+    os.environ.update(env)
     sys.argv = [script, *args]  # what the run records as its command line
     sys.path.insert(0, str(Path(script).parent))
     try:
@@ -379,28 +477,38 @@ def _run_script(script: str, args: list[str], log: str) -> None:
 
 
 class RunFailed(Exception):
-    """A run exited with an error; the message holds the end of its log."""
+    """A run exited with an error; the message holds the end of its log, ``error_line`` its last line that names an
+    error (else its last line)."""
+
+    def __init__(self, message: str, log_lines: list[str] = ()):
+        super().__init__(message)
+        lines = [line.strip() for line in log_lines if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        self.error_line = (errors or lines or ["(empty log)"])[-1][:300]
 
 
-def run(cmd: list[str], log: Path, preload: bool = False) -> None:
-    """Run ``cmd`` (a new process) with its output in ``log``; :class:`RunFailed` if it fails. ``preload``: a
+def run(cmd: list[str], log: Path, preload: bool = False, env: dict[str, str] | None = None) -> None:
+    """Run ``cmd`` (a new process, with ``env`` added to the environment) with its output in ``log``;
+    :class:`RunFailed` if it fails. ``preload``: a
     ``python script.py ...`` command starts from the fork server (:func:`use_fork_server`), which has imported
     ``PRELOAD`` once for all runs (on an H200 machine a run spent ~14 s before it touched the GPU, for 5-25 s of
     training; on a 2-core CPU box the imports took ~3 s of a tiny run's 5)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     if preload and cmd[0] == sys.executable and cmd[1].endswith(".py"):
-        proc = multiprocessing.get_context("forkserver").Process(target=_run_script, args=(cmd[1], cmd[2:], str(log)))
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=_run_script, args=(cmd[1], cmd[2:], str(log), env or {})
+        )
         proc.start()
         proc.join()
         proc.returncode = proc.exitcode
     else:
         with log.open("w") as f:
-            proc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-            )
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RunFailed(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}")
+        lines = log.read_text().splitlines(keepends=True)
+        tail = "".join(lines[-30:])
+        raise RunFailed(f"bench: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); log {log}:\n{tail}", lines)
 
 
 def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Path) -> tuple[dict, dict | None]:
@@ -410,7 +518,7 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     run_id = run_name(name, stage, nproc, repeat)
     run_dir = out_dir / "runs" / run_id
     metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{run_id}-plain.json"
-    want_plain = not opts.no_plain_loop and nproc == 1
+    want_plain = not opts.no_plain_loop and nproc == 1 and stage not in REFERENCES
     label = f"{name:5s} {stage:14s}" + (f" x{nproc}" if len(opts.nproc) > 1 else "")
     if repeat or repeats(name, stage, opts) > 1:
         label += f" run {repeat + 1}/{repeats(name, stage, opts)}"
@@ -421,9 +529,15 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     if "--output_dir" in portable:  # where a run is kept is not what it ran: one moved to another --out_dir counts
         portable[portable.index("--output_dir") + 1] = f"<out_dir>/runs/{run_id}"
     # the stage's row too: a run kept from before the row changed (e.g. fastest's compile mode) is not this stage
-    row = dataclasses.asdict(STAGES[stage])  # its switches and its recipe
-    row.pop("summary", None)
+    if stage in REFERENCES:
+        row = {"flags": REFERENCES[stage]}
+    else:
+        row = dataclasses.asdict(STAGES[stage])  # its switches and its recipe
+        row.pop("summary", None)
+    env = cache_env(name, stage, nproc, repeat, opts, out_dir)
     settings = {"nproc": nproc, "finetune": portable, "plain": want_plain, "stage": row}
+    if env:
+        settings["caches"] = "warm" if repeat else "cold"
     settings_json = run_dir / "bench_settings.json"
     done = metrics_json.is_file() and (plain_json.is_file() or not want_plain)
     seconds = {}  # each process's wall time, start-up and exit included
@@ -443,9 +557,11 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
             pair["plain loop"] = [plain_cmd, out_dir / f"{run_id}-plain.log"]
         # Every other round the plain loop goes first, so a drift of the machine does not fall on it alone (round 1
         # runs the Trainer first: the plain loop then reuses the autotune decisions that run cached).
+        if env and not repeat:  # the row's first run starts with empty caches
+            shutil.rmtree(out_dir / "caches" / run_name(name, stage, nproc), ignore_errors=True)
         for who in reversed(pair) if repeat % 2 else pair:
             started = time.time()
-            run(*pair[who], opts.preload)
+            run(*pair[who], opts.preload, env=env)
             seconds[who] = time.time() - started
         settings_json.write_text(json.dumps(settings, indent=1))
     metrics = json.loads(metrics_json.read_text())
@@ -459,6 +575,24 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     return metrics, json.loads(plain_json.read_text()) if want_plain else None
 
 
+def cache_env(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Path) -> dict[str, str]:
+    """--cold_warm, a compiled row: its runs' compile caches, under <out_dir>/caches/<row>/. Each run gets an empty
+    Inductor (and Triton) cache of its own, and all of a row's runs share one hf_apex cache folder (autotune's
+    decisions and the compiled work ApexTrainer keeps beside them): the first run starts cold, a later one with what
+    hf_apex kept of the first, as on another machine or after torch's cache in /tmp was cleared. The stock rows keep
+    nothing there, so their later runs start cold again."""
+    if not (opts.cold_warm and compiles(stage)):
+        return {}
+    caches = (out_dir / "caches" / run_name(name, stage, nproc)).resolve()
+    inductor = caches / f"inductor-run{repeat + 1}"
+    shutil.rmtree(inductor, ignore_errors=True)
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "TRITON_CACHE_DIR": str(inductor / "triton"),
+        "HF_APEX_CACHE": str(caches / "hf_apex" / "autotune.json"),
+    }
+
+
 def data_source(data_dir: str | None) -> str:
     """Where the runs' data and tokenizers come from, said before the first run: a bench that reads the Hub offline
     fails only once its first run has started."""
@@ -470,12 +604,25 @@ def data_source(data_dir: str | None) -> str:
     )
 
 
+def choose_rows(opts, cuda: bool) -> None:
+    """The models (a set's name expanded) and stages to run, the defaults where none are given: on CUDA the default
+    set at every stage and stock row, or the families' default rows when only families are named; on CPU BERT and
+    GPT-2 at the seed's ladder."""
+    opts.models = list(dict.fromkeys(m for name in opts.models or [] for m in SETS.get(name, [name])))
+    opts.models = opts.models or (SETS["default"] if cuda else ["bert", "gpt2"])
+    families = set(opts.models) <= set(SETS["families"])
+    opts.stages = opts.stages or (DEFAULT_STAGES["families" if families else "default"] if cuda else list(SEED_STAGES))
+
+
+def not_run_text(not_run: dict[str, str]) -> str:
+    return "".join(f"\nNot run: {row}: {why}." for row, why in not_run.items())
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     cuda = torch.cuda.is_available()
     opts.tiny = opts.tiny or not cuda
-    opts.models = opts.models or (list(MODELS) if cuda else ["bert", "gpt2"])
-    opts.stages = opts.stages or (list(STAGES) if cuda else list(SEED_STAGES))
+    choose_rows(opts, cuda)
     if opts.tiny:
         opts.steps = opts.steps or 6
     opts.warmup = opts.warmup if opts.warmup is not None else (10 if cuda else 2)
@@ -500,22 +647,31 @@ def main(argv=None) -> int:
     out_dir = Path(opts.out_dir)
     runs: dict[tuple, list] = {}  # (model, stage, nproc) -> [(metrics, plain-loop result or None)] in run order
     failed = []  # a failed run is reported and left out; the others still run (--skip_existing keeps them)
+    not_run = {}  # a Liger row that cannot run here, or fails in Liger or torch: a finding, said under the table
     for name in opts.models:
+        for stage in opts.stages:
+            if why_skipped(name, stage):
+                not_run[f"{name} {stage}"] = why_skipped(name, stage)
+                print(f"  {name:5s} {stage:14s} skipped: {not_run[f'{name} {stage}']}", flush=True)
         # Round by round, each stage once per round: a slow spell of the machine cannot fall on one stage's runs only.
         rounds = max(repeats(name, stage, opts) for stage in opts.stages)
         for repeat, stage, nproc in itertools.product(range(rounds), opts.stages, opts.nproc):
-            if repeat < repeats(name, stage, opts):
+            if repeat < repeats(name, stage, opts) and f"{name} {stage}" not in not_run:
                 try:
                     done = bench_run(name, stage, nproc, repeat, opts, out_dir)
                 except RunFailed as exc:
                     print(exc, flush=True)
-                    failed.append(run_name(name, stage, nproc, repeat))
+                    if stage.startswith("liger"):  # Liger-Kernel's or torch's failure, not the bench's
+                        not_run[f"{name} {stage}"] = f"failed: {exc.error_line}"
+                    else:
+                        failed.append(run_name(name, stage, nproc, repeat))
                     continue
                 runs.setdefault((name, stage, nproc), []).append(done)
     rows = []
     for (name, _, _), done in runs.items():
         plains = [plain for _, plain in done]
         rows.append(row_from_runs(name, [metrics for metrics, _ in done], plains if all(plains) else None))
+        rows[-1].cold_warm = opts.cold_warm
     if not rows:
         print(f"\nbench: every run failed ({', '.join(failed)}): no table")
         return 1
@@ -523,12 +679,13 @@ def main(argv=None) -> int:
     config = {k: portable_path(v) if k in ("data_dir", "out_dir") and v else v for k, v in vars(opts).items()}
     args = argv if argv is not None else sys.argv[1:]
     config["failed_runs"] = failed
+    config["not_run"] = not_run
     config["hf_apex_commit"] = hf_apex_commit(REPO)
     config["command"] = " ".join(
         ["python", "recipes/bench.py", *(portable_path(a) if a.startswith("/") else a for a in args)]
     )
     paths = write_outputs(rows, out_dir, banner, config)
-    print(format_table(rows, banner))
+    print(format_table(rows, banner) + not_run_text(not_run))
     print("\nwritten: " + ", ".join(portable_path(p) for p in paths.values()))
     if "png" not in paths:
         print("no chart: install matplotlib (pip install 'hf_apex[plot]') for results.png")

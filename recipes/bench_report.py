@@ -171,6 +171,12 @@ class BenchRow:
     plain_loop_timed_steps_ms: Runs | None = None
     batch_size: int | None = None  # per device
     seq_len: int | None = None  # the longest sequence of a step (BERT pads to it; causal LMs' blocks)
+    speedup_vs_stock: float | None = None  # the same model's stock_compiled step time over this row's (REFERENCE)
+    speedup_vs_stock_ci: tuple[float, float] | None = None
+    memory_vs_stock: float | None = None
+    to_step_10_s: list[float | None] | None = None  # per run: seconds from the start of training to step 10's end
+    compile_cache: list[str | None] | None = None  # per run: ApexTrainer's compiled work, "cold", "warm" or "off"
+    cold_warm: bool = False  # bench --cold_warm: run 1 started with empty compile caches, run 2 with run 1's
 
 
 def _backend(calls: dict, fallback: bool, profiled_apex: bool) -> str:
@@ -212,6 +218,8 @@ def row_from_runs(model: str, runs: list[dict], plains: list[dict] | None = None
     if any(r.backend == "fallback" for r in every):
         row.backend = "fallback"
     row.runs = len(every)
+    row.to_step_10_s = [r.to_step_10_s[0] if r.to_step_10_s else None for r in every]
+    row.compile_cache = [r.compile_cache[0] if r.compile_cache else None for r in every]
     return row
 
 
@@ -268,6 +276,8 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         plain_loop_timed_steps_ms=as_runs(plain_timed),
         batch_size=metrics.get("run", {}).get("per_device_train_batch_size"),
         seq_len=metrics.get("run", {}).get("seq_len"),
+        to_step_10_s=[metrics.get("run", {}).get("to_step_10_s")],
+        compile_cache=[(metrics.get("compile_cache") or {}).get("state")],
     )
 
 
@@ -275,10 +285,16 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+# What a user would run instead of hf_apex: transformers' Trainer with torch_compile, fused AdamW and BF16
+# (recipes/bench.py REFERENCES). Every row of a bench that has it gets its speedup against it.
+REFERENCE = "stock_compiled"
+
+
 def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
     """Fill the columns that compare each row with the baseline row of its model and world size, the Trainer
     overhead, and for multi-process rows the scaling against the same model and stage on one process."""
     base = {(r.model, r.world_size): r for r in rows if r.stage == "baseline"}
+    stock = {(r.model, r.world_size): r for r in rows if r.stage == REFERENCE}
     single = {(r.model, r.stage): r for r in rows if r.world_size == 1}
     for r in rows:
         b = base.get((r.model, r.world_size))
@@ -288,6 +304,12 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
             r.speedup_ci = (1 + diff["lo"], 1 + diff["hi"]) if diff else None  # speedup = 1 + (t_base / t - 1)
             r.memory_vs_baseline = _ratio(r.peak_memory_allocated_gib, b.peak_memory_allocated_gib)
             r.loss_delta_vs_baseline = _loss_delta(r, b)
+        s = stock.get((r.model, r.world_size))
+        if s is not None:
+            r.speedup_vs_stock = _ratio(s.step_time_ms_p50, r.step_time_ms_p50)
+            diff = relative_difference(s.timed_steps_ms, r.timed_steps_ms) if r is not s else None
+            r.speedup_vs_stock_ci = (1 + diff["lo"], 1 + diff["hi"]) if diff else None
+            r.memory_vs_stock = _ratio(r.peak_memory_allocated_gib, s.peak_memory_allocated_gib)
         if r.plain_loop_ms_p50:
             r.trainer_overhead = r.step_time_ms_p50 / r.plain_loop_ms_p50 - 1
             diff = relative_difference(r.timed_steps_ms, r.plain_loop_timed_steps_ms)
@@ -384,6 +406,16 @@ def _speedup_text(row: BenchRow) -> str:
     return f"{_f(row.speedup_vs_baseline, '.2f')}×{mark}"
 
 
+def _vs_stock_text(row: BenchRow) -> str:
+    if row.speedup_vs_stock is None:
+        return "–"
+    if row.stage == REFERENCE:
+        return "1×"
+    ci = row.speedup_vs_stock_ci or (None, None)
+    mark = noise_mark(row.speedup_vs_stock, row.speedup_vs_stock_ci, 1.0)
+    return f"{row.speedup_vs_stock:.2f}×{_interval_text(*ci, '.2f')}{mark}, {_f(row.memory_vs_stock, '.2f')}×"
+
+
 def _overhead_text(row: BenchRow) -> str:
     over = row.trainer_overhead_ci or (None, None)
     mark = noise_mark(row.trainer_overhead, row.trainer_overhead_ci, 0.0)
@@ -401,23 +433,26 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
     the table, auto against the faster of ``AUTO_RIVALS`` per model (and world size). With any multi-process
     row, a GPUs column follows the stage and a last column gives the scaling against 1 process."""
     multi = any(r.world_size > 1 for r in rows)
+    stock = any(r.stage == REFERENCE for r in rows)
     head = (
         "| model | stage | "
         + ("GPUs | " if multi else "")
-        + "step ms p50 [95% CI] | tokens/s | speedup | peak VRAM GiB (× base) | MFU | "
-        "loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | kernels verified (profiler) |"
-        + (" scaling vs 1 GPU [95% CI] |" if multi else "")
+        + "step ms p50 [95% CI] | tokens/s | speedup | "
+        + (f"vs {REFERENCE} [95% CI], VRAM × | " if stock else "")
+        + "peak VRAM GiB (× base) | MFU | loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | "
+        "kernels verified (profiler) |" + (" scaling vs 1 GPU [95% CI] |" if multi else "")
     )
-    rule = "|" + "---|" * (13 if multi else 11)
+    rule = "|" + "---|" * (11 + multi * 2 + stock)
     lines = [banner, "", head, rule] if banner else [head, rule]
     for r in rows:
         fb = " (fallback)" if r.backend == "fallback" else ""
         ci = r.step_time_ms_ci or (None, None)
         gpus = f" {r.world_size} |" if multi else ""
         scaling = f" {_scaling_text(r)} |" if multi else ""
+        vs_stock = f" {_vs_stock_text(r)} |" if stock else ""
         lines.append(
             f"| {r.model} | {r.stage}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
-            f"{_f(r.tokens_per_s, ',.0f')} | {_speedup_text(r)} | "
+            f"{_f(r.tokens_per_s, ',.0f')} | {_speedup_text(r)} |{vs_stock} "
             f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
             f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
             f"{_overhead_text(r)} | {r.kernels_verified} |{scaling}"
@@ -435,8 +470,9 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"\n{c['model']}{gpus}: auto vs {c['auto_vs']} (the faster of {', '.join(AUTO_RIVALS)}): "
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
-    lines += [f"\n{line}" for line in compilation_costs(rows) + best_against_published(rows)]
-    if any(mark in f"{_speedup_text(r)} {_overhead_text(r)}" for r in rows for mark in (NOISE, NO_INTERVAL)):
+    lines += [f"\n{line}" for line in compilation_costs(rows) + warm_ups(rows) + best_against_published(rows)]
+    marks = f"{_speedup_text(r)} {_overhead_text(r)} {_vs_stock_text(r) if stock else ''}"
+    if any(mark in marks for r in rows for mark in (NOISE, NO_INTERVAL)):
         lines.append("\n" + NOISE_LEGEND)
     note = interval_note(rows)
     if note:
@@ -484,6 +520,27 @@ def _compilation(r: BenchRow, rows: list[BenchRow]) -> str:
         repaid = f", never repaid against {eager.stage} (no faster per step)"
     mode = f", mode {r.compile_mode}" if r.compile_mode else ""
     return f"compilation {compile_ms / 1e3:.1f} s (first step{mode}){repaid}"
+
+
+def warm_ups(rows: list[BenchRow]) -> list[str]:
+    """Per compiled row: how long its first run took from the start of training to step 10's end and, in a
+    ``--cold_warm`` bench, its second run, which started with the first run's compile caches."""
+    out = []
+    for r in rows:
+        times = r.to_step_10_s or []
+        if not r.compiled or not times or times[0] is None:
+            continue
+        states = r.compile_cache or [None] * len(times)
+        first = f"{times[0]:.1f} s" + (f" ({states[0]})" if states[0] else "")
+        line = f"{r.model} {bar_label(r)}: step 10 after {first}"
+        if r.cold_warm and len(times) > 1 and times[1] is not None:
+            state = f", compiled work {states[1]}" if states[1] else ""
+            line += (
+                f"; the second run, with the first run's caches{state}: {times[1]:.1f} s "
+                f"({times[1] / times[0]:.0%} of the first)"
+            )
+        out.append(line + ".")
+    return out
 
 
 def _compiling(row: BenchRow) -> str:
@@ -535,7 +592,8 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, banner: str, config: dict
     """results.md (table), results.csv, results.json ({"rows": [...]}) and, with matplotlib, results.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {k: out_dir / f"results.{k}" for k in ("md", "csv", "json")}
-    paths["md"].write_text(format_table(rows, banner) + "\n")
+    not_run = "".join(f"\nNot run: {row}: {why}." for row, why in (config.get("not_run") or {}).items())
+    paths["md"].write_text(format_table(rows, banner) + not_run + "\n")
     records = [dataclasses.asdict(r) for r in rows]
     with paths["csv"].open("w", newline="") as f:
         skip = ("provenance", "loss_history")
@@ -588,6 +646,11 @@ class ResultRow:
     trainer_overhead: float | None  # Trainer step / plain-loop step - 1
     trainer_overhead_ci_lo: float | None
     trainer_overhead_ci_hi: float | None
+    vs_stock_compiled: float | None  # the same bench's stock_compiled row's step time over this row's
+    vs_stock_compiled_ci_lo: float | None
+    vs_stock_compiled_ci_hi: float | None
+    to_step_10_s: float | None  # the row's first run: seconds from the start of training to the end of step 10
+    to_step_10_warm_s: float | None  # bench --cold_warm: the second run, which started with the first's compile caches
     command: str  # the bench's command line, repository-relative
     source: str  # where the row's raw runs are, e.g. `git show <commit>:benchmarks/<folder>/`
     note: str = ""
@@ -595,7 +658,16 @@ class ResultRow:
 
 RESULT_COLUMNS = tuple(f.name for f in dataclasses.fields(ResultRow))
 RESULT_KEY = ("date", "gpu", "gpus", "model", "stage")  # one row of one bench: it is appended once
-_DIGITS = {"step_ms": 4, "tokens_per_s": 0, "mfu": 6, "peak_vram_gib": 3, "speedup": 6, "trainer_overhead": 6}
+_DIGITS = {
+    "step_ms": 4,
+    "tokens_per_s": 0,
+    "mfu": 6,
+    "peak_vram_gib": 3,
+    "speedup": 6,
+    "trainer_overhead": 6,
+    "vs_stock": 6,
+    "to_step": 2,
+}
 
 
 def _cell(name: str, value) -> str:
@@ -681,6 +753,9 @@ def result_rows(
         ci = row.step_time_ms_ci or (None, None)
         speedup_ci = (row.speedup_ci or (None, None)) if row.stage != "baseline" else (None, None)
         over = row.trainer_overhead_ci or (None, None)
+        vs_stock_ci = (row.speedup_vs_stock_ci or (None, None)) if row.stage != REFERENCE else (None, None)
+        to_step_10 = row.to_step_10_s or [None]
+        warm = to_step_10[1] if row.cold_warm and len(to_step_10) > 1 else None
         out.append(
             ResultRow(
                 date=prov.get("date") or UNKNOWN,
@@ -710,6 +785,11 @@ def result_rows(
                 trainer_overhead=row.trainer_overhead,
                 trainer_overhead_ci_lo=over[0],
                 trainer_overhead_ci_hi=over[1],
+                vs_stock_compiled=row.speedup_vs_stock,
+                vs_stock_compiled_ci_lo=vs_stock_ci[0],
+                vs_stock_compiled_ci_hi=vs_stock_ci[1],
+                to_step_10_s=to_step_10[0],
+                to_step_10_warm_s=warm,
                 command=config.get("command") or UNKNOWN,
                 source=source,
                 note=note,
@@ -790,13 +870,27 @@ def format_results(rows: list[dict]) -> str:
         head.append(f"- {column}: " + "; ".join(f"`{v}`" if column == "command" else v for v in values))
     dates = sorted(r["date"] for r in rows)
     head.insert(0, f"- date (UTC): {dates[0]} to {dates[-1]}" if len(dates) > 1 else f"- date (UTC): {dates[0]}")
+    stock = any(r.get("vs_stock_compiled") for r in rows)
+    warm = any(r.get("to_step_10_s") for r in rows)
     lines = [
-        "| model | stage | batch | runs × steps | step ms p50 [95% CI] | tokens/s | speedup [95% CI] | peak VRAM GiB "
-        "| MFU | Trainer overhead [95% CI] |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | stage | batch | runs × steps | step ms p50 [95% CI] | tokens/s | speedup [95% CI] | "
+        + (f"vs {REFERENCE} [95% CI] | " if stock else "")
+        + "peak VRAM GiB | MFU | Trainer overhead [95% CI] |"
+        + (" to step 10 s (warm) |" if warm else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (stock + warm),
     ]
     marked = False
     for r in rows:
+        vs_stock, vs_stock_text = num(r, "vs_stock_compiled"), ""
+        if stock:
+            vs_ci_text, vs_ci = interval(r, "vs_stock_compiled", ".2f")
+            vs_mark = "" if r["stage"] == REFERENCE else noise_mark(vs_stock, vs_ci, 1.0)
+            marked = marked or bool(vs_mark)
+            vs_stock_text = f" {_f(vs_stock, '.2f')}×{vs_ci_text}{vs_mark} |" if vs_stock is not None else " – |"
+        to_step_text = ""
+        if warm:
+            cold_s, warm_s = num(r, "to_step_10_s"), num(r, "to_step_10_warm_s")
+            to_step_text = f" {_f(cold_s, '.1f')}" + (f" ({warm_s:.1f})" if warm_s is not None else "") + " |"
         step_ci, _ = interval(r, "step_ms", ".1f")
         speedup = num(r, "speedup")
         speedup_ci_text, speedup_ci = interval(r, "speedup", ".2f")
@@ -809,9 +903,9 @@ def format_results(rows: list[dict]) -> str:
         fb = " (fallback)" if r["backend"] == "fallback" else ""
         lines.append(
             f"| {r['model']} | {r['stage']}{fb} | {r['batch']} | {r['runs'] or '?'} × {r['timed_steps'] or '?'} | "
-            f"{_f(num(r, 'step_ms_p50'), '.1f')}{step_ci} | {_f(num(r, 'tokens_per_s'), ',.0f')} | {speedup_text} | "
-            f"{_f(num(r, 'peak_vram_gib'), '.2f')} | {_f(num(r, 'mfu'), '.1%')} | "
-            f"{_f(over, '+.1%')}{over_ci_text}{over_mark} |"
+            f"{_f(num(r, 'step_ms_p50'), '.1f')}{step_ci} | {_f(num(r, 'tokens_per_s'), ',.0f')} | {speedup_text} |"
+            f"{vs_stock_text} {_f(num(r, 'peak_vram_gib'), '.2f')} | {_f(num(r, 'mfu'), '.1%')} | "
+            f"{_f(over, '+.1%')}{over_ci_text}{over_mark} |{to_step_text}"
         )
     notes = list(dict.fromkeys(r["note"] for r in rows if r["note"]))
     tail = ([NOISE_LEGEND] if marked else []) + [f"Note: {n}" for n in notes]

@@ -27,6 +27,10 @@ works; `python recipes/finetune.py --help` lists them all.
     python recipes/finetune.py --task sst2 --model_name_or_path bert-base-uncased --stage fused_full \
         --max_steps 300 --output_dir out/sst2-hub
 
+`--trainer stock` trains with transformers' own `Trainer` instead, with the same metrics: what you would run
+without hf_apex (the bench's `stock_compiled` and `liger` rows), e.g. `--trainer stock --torch_compile true --optim
+adamw_torch_fused --bf16 true`.
+
 A CPU with AVX512-BF16 or AMX can also run --stage torch_fused (BF16). A run into an --output_dir that holds
 checkpoints is refused: continue it with --resume_from_checkpoint <output_dir>/checkpoint-N, or start over there
 with --overwrite_output_dir.
@@ -39,6 +43,7 @@ with --overwrite_output_dir.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import difflib
 import itertools
 import json
@@ -69,7 +74,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.distributed import close_process_group
 from hf_apex.kernels.availability import portable_path
 from hf_apex.measure.report import update_metrics_file
@@ -148,6 +153,16 @@ class ScriptArguments:
         default=None, metadata={"help": "wikitext2: tokens per training block (default: min(1024, model maximum))."}
     )
     save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to --output_dir."})
+    trainer: str = field(
+        default="apex",
+        metadata={
+            "help": "apex: ApexTrainer at --stage. stock: transformers' own Trainer with hf_apex's "
+            "StageMetricsCallback, what you would run instead (set its flags yourself, e.g. --torch_compile true "
+            "--optim adamw_torch_fused --bf16 true, and --use_liger_kernel true for Liger-Kernel); it refuses "
+            "--stage and the apex switches.",
+            "choices": ["apex", "stock"],
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -165,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise InputError(one_line(exc)) from exc
     setup_logging()
     check_args(script_args)
+    if script_args.trainer == "stock":
+        check_stock_args(training_args)
     try:  # environment problems (no GPU, no apex kernels under strict mode) before any data or model loads
         validate_apex_args(training_args)
     except ValueError as exc:
@@ -181,8 +198,13 @@ def main(argv: list[str] | None = None) -> dict:
     prepare = prepare_sst2 if script_args.task == "sst2" else prepare_wikitext2
     train_ds, eval_ds, collator, compute_metrics = prepare(script_args, raw, tokenizer, model, training_args)
 
-    # 3. Train at the requested stage (ApexTrainer rewires the model and records the stage metrics)
-    trainer = ApexTrainer(
+    # 3. Train at the requested stage (ApexTrainer rewires the model and records the stage metrics), or with the
+    # stock Trainer and the same metrics
+    trainer_cls, extra = ApexTrainer, {}
+    if script_args.trainer == "stock":
+        trainer_cls, extra = transformers.Trainer, {"callbacks": stock_callbacks(training_args)}
+    trainer = trainer_cls(
+        **extra,
         model=model,
         args=training_args,
         train_dataset=train_ds,
@@ -253,6 +275,45 @@ def check_args(args: ScriptArguments) -> None:
                 AutoConfig.for_model(args.model_type).update_from_string(args.config_overrides)
         except ValueError as exc:  # an unknown key, a value of the wrong type, or not 'k=v,...'
             raise InputError(f"--config_overrides {args.config_overrides}: {exc}.") from exc
+
+
+# ApexTrainingArguments' own fields that the stock Trainer's metrics read; the others are apex switches.
+METRICS_FIELDS = ("stage_metrics", "metrics_warmup_steps", "peak_tflops", "profile_kernels")
+
+
+def check_stock_args(training_args: ApexTrainingArguments) -> None:
+    """--trainer stock runs transformers' Trainer: it would ignore a stage or an apex switch, so refuse them."""
+    if training_args.stage is not None:
+        raise InputError(f"--stage {training_args.stage} needs --trainer apex (the stock Trainer has no stages).")
+    stock = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    defaults = ApexTrainingArguments(output_dir=training_args.output_dir, use_cpu=training_args.use_cpu)
+    changed = [
+        f.name
+        for f in dataclasses.fields(ApexTrainingArguments)
+        if f.name not in stock and f.name not in METRICS_FIELDS
+        if getattr(training_args, f.name) != getattr(defaults, f.name)
+    ]
+    if changed:
+        flags = ", ".join(f"--{name}" for name in changed)
+        raise InputError(f"{flags}: apex switches, which the stock Trainer ignores; drop them or use --trainer apex.")
+
+
+def reference_name(training_args) -> str:
+    """What a stock run is called in the metrics and the bench: stock or liger (use_liger_kernel), + _compiled."""
+    name = "liger" if training_args.use_liger_kernel else "stock"
+    return name + ("_compiled" if training_args.torch_compile else "")
+
+
+def stock_callbacks(training_args) -> list:
+    if not training_args.stage_metrics:
+        return []
+    callback = StageMetricsCallback(
+        stage=reference_name(training_args),
+        warmup_steps=training_args.metrics_warmup_steps,
+        peak_tflops=training_args.peak_tflops,
+        profile_kernels=training_args.profile_kernels,
+    )
+    return [callback]
 
 
 @dataclass

@@ -509,7 +509,7 @@ def test_the_committed_results_table_has_the_columns_it_is_appended_with():
 
 
 def test_bench_appends_its_rows_to_the_results_table(tmp_path, monkeypatch, capsys):
-    def fake_run(cmd, log, preload=False):
+    def fake_run(cmd, log, preload=False, env=None):
         out = Path(cmd[cmd.index("--output_dir") + 1])
         out.mkdir(parents=True, exist_ok=True)
         stage = cmd[cmd.index("--stage") + 1]
@@ -641,7 +641,7 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
     """main() over --nproc 1 2 with the runs faked (synthetic metrics), so it takes no processes at all."""
     launched = []
 
-    def fake_run(cmd, log, preload=False):
+    def fake_run(cmd, log, preload=False, env=None):
         launched.append((cmd, log.name))
         if cmd[1].endswith("plain_loop.py"):
             steps = _steps(38.0, 40, seed=20)
@@ -682,7 +682,7 @@ def test_bench_main_runs_every_world_size_and_reports_scaling(tmp_path, monkeypa
 def test_a_failed_run_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
     launched = []
 
-    def fake_run(cmd, log, preload=False):
+    def fake_run(cmd, log, preload=False, env=None):
         launched.append(log.name)
         if log.name == "gpt2-fused_full.log":
             raise bench.RunFailed(f"bench: ... failed (exit 1); log {log}:\nCUDA error: out of memory")
@@ -734,7 +734,7 @@ def test_bench_repeats_run_in_rounds_and_rows_pool_them(tmp_path, monkeypatch, c
     the second round runs each plain-loop reference before its Trainer run."""
     launched = []
 
-    def fake_run(cmd, log, preload=False):
+    def fake_run(cmd, log, preload=False, env=None):
         launched.append(log.name)
         seed = len(launched)
         if cmd[1].endswith("plain_loop.py"):
@@ -970,3 +970,127 @@ def test_the_plain_loop_compiles_under_the_trainers_settings(
     plain_loop.main(str(tmp_path / "plain.json"), flags)
     # the fused model: no recomputation; torch's own dropout kernels, as the stage sets
     assert asked and all(entry == (True, {"torch._inductor.config": {"fallback_random": True}}) for entry in asked)
+
+
+def test_the_stock_rows_run_transformers_trainer_with_their_flags_and_no_stage():
+    opts = bench.parse_args(["--tiny", "--steps", "4"])
+    opts.warmup = 1
+    for row, flags in bench.REFERENCES.items():
+        args = bench.finetune_args("llama", row, opts, Path("out"))
+        assert "--stage" not in args and "--stage_recipe" not in args
+        assert args[args.index("--trainer") + 1] == "stock"
+        assert " ".join(flags) in " ".join(args)
+        assert ("--torch_compile" in args) == row.endswith("compiled") == bench.compiles(row)
+        assert ("--use_liger_kernel" in args) == row.startswith("liger")
+    stage_args = bench.finetune_args("llama", "fastest", opts, Path("out"))
+    assert stage_args[stage_args.index("--stage") + 1] == "fastest" and "--trainer" not in stage_args
+
+
+def test_the_families_set_and_its_default_rows():
+    def rows(flags: str, cuda: bool = True):
+        opts = bench.parse_args(flags.split())
+        bench.choose_rows(opts, cuda)
+        return opts.models, opts.stages
+
+    assert rows("") == (["bert", "gpt2", "llama"], bench.ROWS)  # all eight stages, then the stock rows
+    assert rows("", cuda=False) == (["bert", "gpt2"], list(bench.SEED_STAGES))
+    families = ["roberta", "qwen3", "pythia", "llama1b"]
+    assert rows("--models families") == (families, ["stock_compiled", "fastest", "liger", "liger_compiled"])
+    assert rows("--models llama1b families") == (
+        ["llama1b", "roberta", "qwen3", "pythia"],
+        rows("--models families")[1],
+    )
+    assert rows("--models families gpt2 --stages fastest") == ([*families, "gpt2"], ["fastest"])
+    assert rows("--models default families")[1] == bench.ROWS
+    assert set(bench.SETS["families"]) | set(bench.SETS["default"]) == set(bench.MODELS) == set(bench.TINY)
+
+
+def test_liger_rows_are_skipped_where_liger_has_no_kernels_and_their_failures_are_findings(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not installed
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)
+    assert bench.why_skipped("llama", "liger") == "liger-kernel is not installed (pip install liger-kernel)"
+    fake = type(sys)("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "qwen3": None}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    assert bench.why_skipped("gpt2", "liger_compiled") == "Liger-Kernel has no kernels for gpt2"
+    assert bench.why_skipped("llama1b", "liger") is None and bench.why_skipped("gpt2", "fastest") is None
+
+    launched = []
+
+    def fake_run(cmd, log, preload=False, env=None):
+        launched.append(log.name)
+        if "--use_liger_kernel" in cmd and "--torch_compile" in cmd:
+            lines = ["Traceback ...", "torch._dynamo.exc.TorchRuntimeError: addmm out_dtype on fake tensors", "x"]
+            raise bench.RunFailed("bench: ... failed (exit 1)", lines)
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        name = "stock_compiled" if "--torch_compile" in cmd else "liger" if "--trainer" in cmd else "fastest"
+        p50 = {"stock_compiled": 50.0, "liger": 80.0, "fastest": 35.0}[name]
+        (out / METRICS_FILENAME).write_text(json.dumps(_ddp_metrics(name, _steps(p50, 40, seed=len(launched)), 1)))
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    written = {}
+    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: written.update(config) or {})
+    flags = "--tiny --models gpt2 llama --stages stock_compiled fastest liger liger_compiled --no_plain_loop --steps 4"
+    assert bench.main([*flags.split(), "--no_preload", "--out_dir", str(tmp_path)]) == 0  # findings, not failures
+    assert not any(name.startswith("gpt2-liger") for name in launched)
+    assert "llama-liger_compiled.log" in launched
+    printed = capsys.readouterr().out
+    assert written["not_run"] == {
+        "gpt2 liger": "Liger-Kernel has no kernels for gpt2",
+        "gpt2 liger_compiled": "Liger-Kernel has no kernels for gpt2",
+        "llama liger_compiled": "failed: torch._dynamo.exc.TorchRuntimeError: addmm out_dtype on fake tensors",
+    }
+    assert "Not run: llama liger_compiled: failed: torch._dynamo.exc.TorchRuntimeError" in printed
+    # every row's speedup against stock_compiled, with its interval, and the VRAM ratio
+    assert re.search(r"^\| llama \| fastest \| .* \| 1\.\d\d× \[1\.\d\d, 1\.\d\d\], 1\.00× \|", printed, re.M)
+    assert re.search(r"^\| llama \| liger \| .* \| 0\.6\d× \[0\.\d\d, 0\.\d\d\], 1\.00× \|", printed, re.M)
+    assert re.search(r"^\| llama \| stock_compiled \| .* \| 1× \|", printed, re.M)
+
+
+def test_cold_warm_runs_a_compiled_row_twice_from_empty_caches_then_with_hf_apex_s(tmp_path, monkeypatch, capsys):
+    launched = []
+
+    def fake_run(cmd, log, preload=False, env=None):
+        inductor, hf_apex = Path(env["TORCHINDUCTOR_CACHE_DIR"]), Path(env["HF_APEX_CACHE"]).parent
+        launched.append((log.name, inductor.is_dir(), hf_apex.is_dir()))
+        assert env["TRITON_CACHE_DIR"].startswith(str(inductor))
+        inductor.mkdir(parents=True)  # what a run leaves behind
+        hf_apex.mkdir(parents=True, exist_ok=True)
+        out = Path(cmd[cmd.index("--output_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        warm = len(launched) == 2
+        m = _ddp_metrics("fastest", _steps(35.0, 40, seed=len(launched)), 1)
+        m["run"] |= {"to_step_10_s": 9.0 if warm else 45.0, "torch_compile": True}
+        m["compile_cache"] = {"state": "warm" if warm else "cold"}
+        (out / METRICS_FILENAME).write_text(json.dumps(m))
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    written = {}
+    monkeypatch.setattr(bench, "write_outputs", lambda rows, out_dir, banner, config: written.update(rows=rows) or {})
+    flags = "--tiny --models gpt2 --stages fastest --cold_warm --no_plain_loop --steps 4 --warmup 1"
+    (tmp_path / "caches" / "gpt2-fastest" / "hf_apex").mkdir(parents=True)  # an earlier bench's: emptied
+    assert bench.main([*flags.split(), "--no_preload", "--out_dir", str(tmp_path)]) == 0
+    # run 1: no Inductor cache, no hf_apex cache; run 2: a new empty Inductor cache, run 1's hf_apex cache
+    assert launched == [("gpt2-fastest.log", False, False), ("gpt2-fastest-r2.log", False, True)]
+    settings = [
+        json.loads((tmp_path / "runs" / r / "bench_settings.json").read_text())
+        for r in ("gpt2-fastest", "gpt2-fastest-r2")
+    ]
+    assert [s["caches"] for s in settings] == ["cold", "warm"]
+    (row,) = written["rows"]
+    assert row.to_step_10_s == [45.0, 9.0] and row.compile_cache == ["cold", "warm"] and row.cold_warm
+    printed = capsys.readouterr().out
+    assert (
+        "gpt2 fastest: step 10 after 45.0 s (cold); the second run, with the first run's caches, compiled work warm: "
+        "9.0 s (20% of the first)." in printed
+    )
+    (result,) = bench_report.result_rows({"config": {"hf_apex_commit": "abc"}, "rows": [dataclasses.asdict(row)]})
+    assert (result.to_step_10_s, result.to_step_10_warm_s) == (45.0, 9.0)
+    opts = bench.parse_args(["--cold_warm"])
+    opts.tiny = False
+    assert bench.repeats("gpt2", "fastest", opts) == 2 and bench.repeats("gpt2", "fused_full", opts) == 3
+    assert bench.repeats("bert", "baseline", opts) == 1 and bench.repeats("llama1b", "stock_compiled", opts) == 2

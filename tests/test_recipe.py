@@ -470,3 +470,31 @@ def test_sst2_batches_take_few_shapes_under_cuda_graphs(generated_data, word_tok
     batch = collator(rows)
     assert longest % 16 and batch["input_ids"].shape[1] == -(-longest // multiple) * multiple
     assert (batch["attention_mask"].sum(1) == torch.tensor([len(r["input_ids"]) for r in rows])).all()
+
+
+def test_the_stock_trainer_trains_with_the_same_metrics_and_no_apex(generated_data, word_tokenizer, tmp_path):
+    """--trainer stock: transformers' own Trainer (no norm swapped, torch's optimizer), measured by the same callback,
+    under the name the bench's rows take."""
+    extra = ["--trainer", "stock", "--optim", "adamw_torch", "--block_size", "32", "--max_steps", "3"]
+    finetune.main(recipe_args("wikitext2", generated_data, word_tokenizer, tmp_path / "out", *extra))
+    m = metrics_of(tmp_path / "out")
+    assert m["stage"] == "stock" and m["run"]["optimizer"] == "AdamW" and "rewire" not in m
+    assert m["run"]["steps"] == 3 and m["tokens_per_s"] > 0 and "eval_perplexity" in m["eval"]
+    args = finetune.ApexTrainingArguments(output_dir="o", use_liger_kernel=True, torch_compile=True)
+    assert finetune.reference_name(args) == "liger_compiled"
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--stage", "fastest"], "--stage fastest needs --trainer apex"),
+        (["--apex_fused_norms", "true", "--autotune", "true"], "--apex_fused_norms, --autotune: apex switches"),
+    ],
+)
+def test_the_stock_trainer_refuses_what_it_would_ignore(flags, says, word_tokenizer, tmp_path):
+    with pytest.raises(finetune.InputError, match=re.escape(says)):  # (before the missing data is noticed)
+        finetune.main(
+            recipe_args(
+                "sst2", tmp_path / "no-such-data", word_tokenizer, tmp_path / "o", "--trainer", "stock", *flags
+            )
+        )
