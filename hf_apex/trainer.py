@@ -18,6 +18,7 @@ from transformers.training_args import ParallelMode
 from . import policy, runtime
 from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
 from .autotune.cache import checkpoint_decisions, save_decisions
+from .autotune.compiled import CompileCache
 from .kernels.attention import capture as capture_attention
 from .kernels.attention import one_sequence_per_row, preferring, use_static_masks
 from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
@@ -75,6 +76,7 @@ class ApexTrainer(Trainer):
         self.sdpa_backend: str | None = None  # the SDPA backend put first (None: PyTorch's choice)
         self.fp32_outputs_dropped = False  # whether this run's forwards return outputs in the autocast dtype
         self.stage_metrics: StageMetricsCallback | None = None
+        self.compile_cache: CompileCache | None = None  # the run's compile-cache artifacts (compile_cache)
         self._run: contextlib.ExitStack | None = None  # what train() undoes when it ends
         self._first_batch = False  # the run's one-off decisions are still to be made on its first batch
         self._deferred_log: tuple | None = None  # a logging step's log, written at the next step
@@ -134,8 +136,21 @@ class ApexTrainer(Trainer):
                 run.callback(self.autotuner.end_run)
             self.sdpa_backend = None if self.args.attention_backend == "fastest" else self.args.attention_backend
             self.fp32_outputs_dropped, self._first_batch = False, True
+            self._reuse_compiled_work(run)
             run.callback(self._log_deferred)  # a run that stops between a logging step and the next keeps its log
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _reuse_compiled_work(self, run: contextlib.ExitStack) -> None:
+        """A run that compiles loads its compile-cache artifacts at the start of training, saves them after the metrics
+        warm-up and again when it ends (:mod:`hf_apex.autotune.compiled`)."""
+        self.compile_cache = None
+        if not (self.args.torch_compile and self.args.compile_cache):
+            return
+        self.compile_cache = CompileCache(self.args, save_at=self.args.metrics_warmup_steps)
+        self.compile_cache.begin(run)
+        self.add_callback(self.compile_cache)
+        run.callback(self.remove_callback, self.compile_cache)
+        run.callback(self.compile_cache.save)  # (first: what an evaluation at the end compiled)
 
     def _static_masks_off(self) -> None:
         if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)

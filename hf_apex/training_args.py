@@ -138,6 +138,10 @@ class ApexTrainingArguments(TrainingArguments):
         attention_backend (`str` or `None`, *optional*, defaults to `None`):
             The SDPA backend put first: `"flash"`, `"cudnn"`, `"efficient"`, `"math"`, or `"fastest"` (each one
             that can run the model's first attention call timed on the first batch). `None`: PyTorch's choice.
+        compile_cache (`bool`, *optional*, defaults to `True`):
+            A run that compiles loads the compiled work saved by an earlier run of the same model, stage and
+            environment before it compiles, and saves its own after the metrics warm-up: files in a `compiled/`
+            folder beside `autotune_cache` (default `~/.cache/hf_apex/compiled/`).
         stage_metrics (`bool`, *optional*, defaults to `True`):
             Per-step time, tokens/s, MFU, peak memory and kernel counts in the logs, and a run summary in
             `<output_dir>/hf_apex_metrics.json`.
@@ -221,6 +225,13 @@ class ApexTrainingArguments(TrainingArguments):
     )
     stage_metrics: bool = field(
         default=True, metadata={"help": "Record per-step stage metrics and write <output_dir>/hf_apex_metrics.json."}
+    )
+    compile_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "A run that compiles loads, then saves, torch's compile-cache artifacts for its model, stage and "
+            "environment, in a compiled/ folder beside the autotune cache (default ~/.cache/hf_apex/compiled/)."
+        },
     )
     metrics_warmup_steps: int = field(
         default=5,

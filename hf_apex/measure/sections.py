@@ -75,7 +75,22 @@ def trainer_sections(trainer) -> dict:
         "autotune": trainer.autotuner.report() if trainer.autotuner else [],
         "kernels": kernels,
         "ddp": ddp_settings(trainer),
+        "compile_cache": compile_cache_section(trainer),
     }
+
+
+def compile_cache_section(trainer) -> dict:
+    """Whether the run's compiled work came from an earlier run's compile-cache artifacts ("warm"), was compiled here
+    ("cold"), or the cache was not used ("off", and why)."""
+    if trainer.compile_cache is not None:
+        return trainer.compile_cache.report()
+    if trainer.compile_skipped:
+        why = f"the run does not compile: {trainer.compile_skipped}"
+    elif not trainer.args.torch_compile:
+        why = "the run does not compile"
+    else:
+        why = "compile_cache=False"
+    return {"state": "off", "why": why}
 
 
 def ddp_settings(trainer) -> dict | None:

@@ -1,0 +1,171 @@
+"""Compiled work reused between runs: torch's compile-cache artifacts (``torch.compiler.save_cache_artifacts``) in
+one file per environment, model, stage and compile settings, in a ``compiled/`` folder beside the autotune cache.
+
+A run that compiles loads its file, when there is one, before anything is compiled
+(``torch.compiler.load_cache_artifacts``, on every rank): AOTAutograd's and Inductor's FX graph caches then hold its
+graphs, and the run is *warm*; without one it is *cold*. Dynamo still traces the model on a warm run; what the file
+spares is AOTAutograd's partitioning and Inductor's code generation and build. Once the compiled steps are in place
+(the end of the metrics warm-up, or the last step of a shorter run) and again when the run ends, where more was
+compiled since (an evaluation), the main process writes the artifacts this run compiled or found in the caches to the
+file (a temporary file, then ``os.replace``). A file that cannot be read or written is a warning, never a crash.
+
+torch's caches key each graph by its own content and settings, so a file holds what fits this key and is only ever
+reused where torch's keys match: the file's key picks which artifacts are worth loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from transformers import TrainerCallback
+
+from .. import distributed
+from ..kernels.availability import portable_path
+from .cache import DecisionCache, default_cache_path, environment_key
+
+logger = logging.getLogger("hf_apex")
+
+# The metrics' name for each of torch's caches -> (counters' group, prefix of its hit/miss/bypass counters)
+CACHES = {"fxgraph_cache": ("inductor", "fxgraph_cache_"), "aot_autograd_cache": ("aot_autograd", "autograd_cache_")}
+OUTCOMES = ("hit", "miss", "bypass")
+
+
+def compiled_dir(autotune_cache: str | os.PathLike | None = None) -> Path:
+    """The ``compiled/`` folder beside the autotune cache (``autotune_cache``, else ``$HF_APEX_CACHE``, else
+    ``~/.cache/hf_apex/autotune.json``)."""
+    return Path(autotune_cache or default_cache_path()).parent / "compiled"
+
+
+def config_hash(model) -> str | None:
+    """A hash of the model's config (None without one); its name or path left out: two checkpoints of one
+    architecture compile the same graphs."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    entries = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return hashlib.sha1(json.dumps(entries, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def key_parts(args, model) -> dict:
+    """What a run's compiled graphs depend on, beyond torch's own keys: the environment (GPU, torch, CUDA, hf_apex,
+    apex), transformers, the model's class and config, the stage, the recipe's compiled entries (``min_steps``
+    aside: it decides whether to compile, not what), precision, and torch.compile's mode and backend."""
+    recipe = {k: v for k, v in args.recipe.compiled_entries().items() if k != "min_steps"}
+    return {
+        **environment_key(),
+        "transformers": transformers.__version__,
+        "model": type(getattr(model, "module", model)).__name__,
+        "config": config_hash(getattr(model, "module", model)),
+        "stage": args.stage,
+        "recipe": recipe,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "mode": args.torch_compile_mode,
+        "backend": args.torch_compile_backend or "inductor",
+    }
+
+
+def artifacts_path(args, model) -> Path:
+    """The file of compile-cache artifacts for this run's key (:func:`key_parts`)."""
+    return compiled_dir(args.autotune_cache) / f"{DecisionCache.key(key_parts(args, model))[:20]}.bin"
+
+
+def cache_counters() -> dict[str, dict[str, int]]:
+    """torch's process-wide hit/miss/bypass counts of its FX graph and AOTAutograd caches."""
+    return {name: {o: int(counters[group][prefix + o]) for o in OUTCOMES} for name, (group, prefix) in CACHES.items()}
+
+
+class CompileCache(TrainerCallback):
+    """One run's file of compile-cache artifacts: :meth:`begin` sets torch's record of artifacts apart for the run,
+    the callback loads the file at the start of training (the model is built by then, and nothing is compiled yet)
+    and saves it at step ``save_at`` (or the run's last step, if sooner), and :meth:`save` again when the run ends.
+
+    Args:
+        args (`ApexTrainingArguments`): the run's arguments (the key's stage, recipe, precision, mode, backend).
+        save_at (`int`): the optimizer step after which the compiled steps are in place (the metrics warm-up).
+    """
+
+    def __init__(self, args, save_at: int):
+        self.args = args
+        self.save_at = max(save_at, 1)
+        self.path: Path | None = None
+        self.state = "cold"
+        self.loaded_s: float | None = None
+        self.saved_bytes: int | None = None
+        self._counters_at_start: dict = {}
+
+    def begin(self, run: contextlib.ExitStack) -> None:
+        """Record this run's artifacts apart from the process's (torch's record is put back when ``run`` ends)."""
+        from torch.compiler._cache import CacheArtifactManager
+
+        run.enter_context(CacheArtifactManager.with_fresh_cache())
+        self._counters_at_start = cache_counters()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.path = artifacts_path(self.args, model)
+        self.load()
+
+    def load(self) -> None:
+        """Load the file into torch's caches, when there is one: the run is warm."""
+        if not self.path.is_file():
+            return
+        started = time.perf_counter()
+        try:
+            info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
+        except Exception as exc:  # (an unreadable or foreign file: compile as if there were none)
+            info, why = None, str(exc)
+        else:
+            why = "not torch's compile-cache artifacts"
+        if info is None:
+            logger.warning("hf_apex: ignoring the compile cache %s (%s); this run compiles cold.", self.path, why)
+            return
+        self.loaded_s = time.perf_counter() - started
+        self.state = "warm"
+        logger.info("hf_apex: compile cache %s loaded in %.2f s.", portable_path(self.path), self.loaded_s)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == min(self.save_at, state.max_steps):
+            self.save()
+
+    def save(self) -> None:
+        """Write what this run compiled or found in torch's caches so far, when anything is new since the last save
+        (the main process; the others keep nothing)."""
+        from torch.compiler._cache import CacheArtifactManager
+
+        if self.path is None or distributed.rank() != 0 or not CacheArtifactManager.need_serialize():
+            return
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is None:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(saved[0])
+            os.replace(tmp, self.path)
+        except Exception as exc:
+            logger.warning("hf_apex: could not write the compile cache %s (%s).", self.path, exc)
+            return
+        self.saved_bytes = len(saved[0])
+
+    def report(self) -> dict:
+        """The metrics JSON's ``compile_cache`` section: warm or cold, the file, its load time and size, and this run's
+        hits and misses in torch's caches."""
+        now = cache_counters()
+        return {
+            "state": self.state,
+            "file": portable_path(self.path) if self.path is not None else None,
+            "loaded_s": round(self.loaded_s, 3) if self.loaded_s is not None else None,
+            "saved_bytes": self.saved_bytes,
+            **{
+                name: {o: now[name][o] - self._counters_at_start.get(name, {}).get(o, 0) for o in OUTCOMES}
+                for name in CACHES
+            },
+        }
