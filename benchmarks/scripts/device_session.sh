@@ -18,8 +18,10 @@
 # resume:<folder>[:<stage,stage>] (the runs/ of an earlier bench into .bench/runs, not overwriting: an unpacked
 # bench.tgz's .bench, or a committed folder exported from git history into .deps; with stages, only those stages'
 # runs, so that the others run again) |
-# bench:<model>[:<stage,stage>] (make bench with --skip_existing; `bench:` alone: every model, e.g. the whole table
-# once every row is kept, else it runs what is missing until the deadline) |
+# bench:<model>[,<model>...][:<stage,stage>] (make bench with --skip_existing, into BENCH_DIR (default .bench), with
+# BENCH_EXTRA's flags added, e.g. BENCH_EXTRA="--cold_warm --no_plain_loop"; a model may be a set, e.g. bench:families;
+# `bench:` alone: every model, e.g. the whole table once every row is kept, else it runs what is missing until the
+# deadline) |
 # pbench:<models>/<models>[/...][:<stage,stage>] (on a machine of several GPUs, one make bench per GPU at once, GPU i
 # running group i, models joined by ',', e.g. pbench:bert/gpt2,llama; each in .bench-gpu<i>, seeded from .bench/runs
 # and with its own autotune cache; then every run goes into .bench/runs, not overwriting, and a `bench:` step after it
@@ -42,7 +44,7 @@ export PYTHONPATH=$SITE
 pack() {
   [ -z "$SMI_PID" ] || kill $SMI_PID 2> /dev/null
   [ -f $OUT/smi.csv ] && mkdir -p .bench && mv $OUT/smi.csv .bench/smi.csv  # (in bench.tgz: files come back up to a count)
-  tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' .bench .bench-gpu* 2>/dev/null
+  tar czf $OUT/bench.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude=caches .bench* 2>/dev/null
   # the variants' outputs and logs in one file: a call's output comes back only up to a count of files
   if ls $OUT/variant-*.out > /dev/null 2>&1; then
     (cd $OUT && tar czf variants.tgz variant-*.out variant_logs 2>/dev/null && rm -rf variant-*.out variant_logs)
@@ -112,11 +114,11 @@ for step in "$@"; do
       echo "variant $name rc $?"; tail -1 $OUT/variant-$name.out | cut -c1-400;;
     hostprof:*)  # hostprof:<model>:<stage>[:plain]: benchmarks/scripts/host_profile.py on the bench's run of that row
       IFS=: read -r _ model stage plain <<< "$step"
-      flags=$(python3 -c "import sys, pathlib; sys.path.insert(0, 'recipes'); import bench
+      mapfile -d '' -t flags < <(python3 -c "import sys, pathlib; sys.path.insert(0, 'recipes'); import bench
 o = bench.parse_args(['--data_dir', '.deps/data', '--warmup', '10']); o.tiny = False
-print(' '.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/hostprof'))))")
+print('\0'.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/hostprof'))), end='')")
       log=$OUT/hostprof-$model-$stage${plain:+-plain}.log
-      timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 $flags $HP_FLAGS > $log 2>&1
+      timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 "${flags[@]}" $HP_FLAGS > $log 2>&1
       echo "hostprof $model $stage ${plain} rc $?"; grep -E "wall|kernels and copies|Synchronize|_local_scalar|==" $log | head -20;;
     resume:*)
       IFS=: read -r _ folder stages <<< "$step"
@@ -128,9 +130,11 @@ print(' '.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/h
       echo "$(ls .bench/runs | wc -l) entries in .bench/runs";;
     bench:*)
       IFS=: read -r _ model stages <<< "$step"
-      timeout -k 10 $(left) make bench OFFLINE=1 BENCH_MODELS=$model ${stages:+BENCH_STAGES="${stages//,/ }"} \
-        BENCH_ARGS="--data_dir .deps/data --skip_existing" >> $OUT/bench-${model:-all}.log 2>&1
-      echo "bench ${model:-all} rc $?"; grep -E "bench:|p50|failed|Error" $OUT/bench-${model:-all}.log | tail -40;;
+      log=$OUT/bench-$(echo -n "${model:-all}" | tr , _).log
+      timeout -k 10 $(left) make bench OFFLINE=1 BENCH_DIR=${BENCH_DIR:-.bench} BENCH_MODELS="${model//,/ }" \
+        ${stages:+BENCH_STAGES="${stages//,/ }"} BENCH_ARGS="--data_dir .deps/data --skip_existing $BENCH_EXTRA" \
+        >> $log 2>&1
+      echo "bench ${model:-all} rc $?"; grep -E "bench:|p50|failed|Error|skipped|Not run|step 10 after" $log | tail -40;;
     pbench:*)
       IFS=: read -r _ spec stages <<< "$step"
       IFS=/ read -ra groups <<< "$spec"

@@ -2,7 +2,7 @@
 
     python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] [--pstats FILE] <recipes/finetune.py flags>
 
-Runs `recipes/finetune.py` with the given flags and profiles optimizer steps A..B-1 twice: once with
+Runs `recipes/finetune.py` with the given flags (`--trainer stock` too) and profiles optimizer steps A..B-1 twice: once with
 torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the device's
 busy time against the wall time, the kernels by device time and by kind: matmuls, attention, norms...), once with
 cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks, logging).
@@ -167,11 +167,15 @@ class Profile(TrainerCallback):
         stats.sort_stats("tottime").print_stats(25)
 
 
-class ProfiledTrainer(finetune.ApexTrainer):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        first, last = PROFILE_STEPS
-        self.add_callback(Profile(first, last))
+def profiled(trainer_cls):
+    """``trainer_cls`` with the profile's callback added (ApexTrainer, or transformers' Trainer for --trainer stock)."""
+
+    class Profiled(trainer_cls):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.add_callback(Profile(*PROFILE_STEPS))
+
+    return Profiled
 
 
 def profile_plain_loop(argv):
@@ -212,5 +216,6 @@ if __name__ == "__main__":
     if plain:
         profile_plain_loop(argv)
     else:
-        finetune.ApexTrainer = ProfiledTrainer
+        finetune.ApexTrainer = profiled(finetune.ApexTrainer)
+        finetune.transformers.Trainer = profiled(finetune.transformers.Trainer)  # (this process's only)
         finetune.main(argv)
