@@ -67,6 +67,7 @@ class StageMetricsCallback(TrainerCallback):
         self._calls_at_start: dict = {}
         self._shape: dict = {}
         self._started: float | None = None
+        self._first_step_at: float | None = None  # host time when the first step began
         self._startup_s: float | None = None
         self._warmup_floor = 0  # this run's warm-up lasts this long at least (hold_warmup)
         self.kernels_verified: dict | None = None
@@ -91,6 +92,8 @@ class StageMetricsCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._index += 1
+        if self._first_step_at is None:
+            self._first_step_at = time.time()
         if self._cuda and self.profile_kernels and self._profile is None and self._index == self._profiled_index():
             self._profile = trace.KernelProfile().start()
         self._timer.start()
@@ -243,6 +246,7 @@ class StageMetricsCallback(TrainerCallback):
             profiled=self.kernels_verified,
             optimizer=type(inner).__name__ if inner is not None else None,
             started=self._started,
+            before_first_step_s=self._first_step_at - self._started if self._first_step_at and self._started else None,
             sections=sections,
             startup_s=self._startup_s,
         )

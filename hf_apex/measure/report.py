@@ -93,6 +93,7 @@ def run_summary(
     started: float | None,
     sections: dict,
     startup_s: float | None = None,
+    before_first_step_s: float | None = None,
 ) -> dict:
     """The run summary: timing after warm-up, throughput, MFU, memory, losses, kernels, provenance."""
     world = max(getattr(args, "world_size", 1), 1)
@@ -123,6 +124,13 @@ def run_summary(
             else None,
             # The first step carries one-off costs: torch.compile, autotune, cuBLAS/allocator warm-up.
             "first_step_ms": records[0].ms if records else None,
+            # From the start of training to the end of step 10 (of the last step, if fewer; to_step_10_of says which):
+            # the host's time to the first step's start, then the steps' own times (CUDA events on a GPU: the first
+            # holds compilation, autotune and CUDA graph recording). What a run's warm-up costs a user.
+            "to_step_10_s": before_first_step_s + sum(r.ms for r in records[:10]) / 1e3
+            if records and before_first_step_s is not None
+            else None,
+            "to_step_10_of": min(len(records), 10),
             "seed": args.seed,
             "wall_time_s": time.time() - started if started else None,
             # from the process's start to train(): imports, data, model, CUDA set-up (None where it is not known)
