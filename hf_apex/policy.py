@@ -101,6 +101,12 @@ def why_not_compile(args, train_dataset) -> str | None:
     )
 
 
+# An autocast region inside a graph (a RoPE model's rotary embedding, the fused loss's FP32 part) enters and leaves
+# through these two functions, whose arguments are in the graph: AOTAutograd's cache refuses a graph that calls a
+# function it does not know to be safe, so without them such a graph is traced again at every run.
+AUTOCAST_REGIONS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+
+
 def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     """torch.compile's settings for a run's training steps on ``model``, by config module (empty: torch's defaults),
     from the run's :class:`~hf_apex.stages.StageRecipe`:
@@ -109,7 +115,9 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
       recomputes in the backward the pointwise results that the backward's matmuls read (``torch._functorch.config``).
     - ``eager_random``: random ops run torch's own kernels inside the graph (Inductor's ``fallback_random``).
     - ``fuse_projections``: linears that read one input run as one matmul (:mod:`hf_apex.kernels.projections`,
-      Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections` has no objection."""
+      Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections` has no objection.
+    - ``compile_cache``: graphs with autocast regions (``AUTOCAST_REGIONS``) and custom autograd functions, whose
+      code the traced graph holds, are cacheable by AOTAutograd."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     recipe, settings, inductor = args.recipe, {}, {}
@@ -122,6 +130,13 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
+    if args.compile_cache:
+        inductor["unsafe_marked_cacheable_functions"] = {
+            **torch._inductor.config.unsafe_marked_cacheable_functions,
+            **dict.fromkeys(AUTOCAST_REGIONS, torch.__version__),
+        }
+        functorch = settings.setdefault("torch._functorch.config", {})
+        functorch["autograd_cache_allow_custom_autograd_functions"] = True  # (hf_apex's fused loss is one)
     if inductor:
         settings["torch._inductor.config"] = inductor
     return settings

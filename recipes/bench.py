@@ -217,9 +217,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--cold_warm",
         action="store_true",
-        help="run each compiled row twice, in rounds: first with empty compile caches (torch's Inductor cache and "
-        "hf_apex's, which also holds autotune's decisions: a first run on a new machine), then a second run with the "
-        "caches the first left (a rerun on the same machine); the table says how long each took to step 10",
+        help="run each compiled stage twice, in rounds: first with empty compile caches (torch's Inductor cache and "
+        "hf_apex's, which also holds autotune's decisions: a first run on a new machine), then with an empty Inductor "
+        "cache and the hf_apex cache the first run left; compiled stock rows run once, from empty caches; the table "
+        "says how long each run took to step 10",
     )
     parser.add_argument(
         "--steps",
@@ -309,10 +310,10 @@ def run_name(model: str, stage: str, nproc: int, repeat: int = 0) -> str:
 
 def repeats(name: str, stage: str, opts) -> int:
     """Runs of this model and stage: --repeats, else the model's default for its precision and stage (one on
-    CPU); at least two for a compiled row under --cold_warm."""
+    CPU); at least two for a compiled stage under --cold_warm."""
     spec = MODELS[name]
     runs = opts.repeats or (1 if opts.tiny or stage not in spec["repeat_stages"] else spec["repeats"])
-    return max(runs, 2) if opts.cold_warm and compiles(stage) else runs
+    return max(runs, 2) if opts.cold_warm and compiles(stage) and stage not in REFERENCES else runs
 
 
 def compiles(stage: str) -> bool:
@@ -579,8 +580,8 @@ def cache_env(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     """--cold_warm, a compiled row: its runs' compile caches, under <out_dir>/caches/<row>/. Each run gets an empty
     Inductor (and Triton) cache of its own, and all of a row's runs share one hf_apex cache folder (autotune's
     decisions and the compiled work ApexTrainer keeps beside them): the first run starts cold, a later one with what
-    hf_apex kept of the first, as on another machine or after torch's cache in /tmp was cleared. The stock rows keep
-    nothing there, so their later runs start cold again."""
+    hf_apex kept of the first, as on another machine or after torch's cache in /tmp was cleared. A stock row runs
+    once, from empty caches: torch keeps nothing outside its Inductor cache."""
     if not (opts.cold_warm and compiles(stage)):
         return {}
     caches = (out_dir / "caches" / run_name(name, stage, nproc)).resolve()

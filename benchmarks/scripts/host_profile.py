@@ -2,14 +2,13 @@
 
     python benchmarks/scripts/host_profile.py [--plain] [--steps A:B] [--pstats FILE] <recipes/finetune.py flags>
 
-Runs `recipes/finetune.py` with the given flags (`--trainer stock` too) and profiles optimizer steps A..B-1 twice: once with
-torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the device's
-busy time against the wall time, the kernels by device time and by kind: matmuls, attention, norms...), once with
-cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks, logging).
-Prints both; `--pstats` also saves the cProfile statistics (pstats format: to compare two runs function by
-function). `--plain`
-profiles recipes/plain_loop.py's steps instead (the same training without the Trainer). Used to find the Trainer's
-own host cost on a host-bound step, and where a device-bound step spends its time.
+Runs `recipes/finetune.py` with the given flags (`--trainer stock` too) and profiles optimizer steps A..B-1 twice:
+once with torch.profiler (per-step counts of kernel launches, device syncs and host reads of device values; the
+device's busy time against the wall time, the kernels by device time and by kind: matmuls, attention, norms...),
+once with cProfile (host time per Trainer phase: data, forward+backward, clipping, optimizer, scheduler, callbacks,
+logging). Prints both; `--pstats` also saves the cProfile statistics (pstats format: to compare two runs function
+by function). `--plain` profiles recipes/plain_loop.py's steps instead (the same training without the Trainer).
+Used to find the Trainer's own host cost on a host-bound step, and where a device-bound step spends its time.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ class Profile(TrainerCallback):
 
 
 def profiled(trainer_cls):
-    """``trainer_cls`` with the profile's callback added (ApexTrainer, or transformers' Trainer for --trainer stock)."""
+    """``trainer_cls`` with the profile's callback (ApexTrainer, or transformers' Trainer for --trainer stock)."""
 
     class Profiled(trainer_cls):
         def __init__(self, *a, **kw):

@@ -77,6 +77,15 @@ def compile_mode(args) -> str | None:
     return getattr(args, "torch_compile_mode", None) if getattr(args, "torch_compile", False) else None
 
 
+def fp32_matmul_precision() -> str:
+    """torch's FP32 matmul precision: the legacy name ("highest", "high"), or, where the process has also set it
+    through the per-backend API (the legacy getter then raises), that API's ("ieee", "tf32") for CUDA's matmuls."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return torch.backends.cuda.matmul.fp32_precision
+
+
 def run_summary(
     *,
     stage: str | None,
@@ -115,7 +124,7 @@ def run_summary(
             "warmup_steps": len(records) - len(timed),
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "tf32": args.tf32,
-            "fp32_matmul_precision": torch.get_float32_matmul_precision(),  # what ran, whatever was asked
+            "fp32_matmul_precision": fp32_matmul_precision(),  # what ran, whatever was asked
             "optimizer": optimizer,
             "torch_compile": bool(getattr(args, "torch_compile", False)),
             "torch_compile_mode": compile_mode(args),
