@@ -402,6 +402,8 @@ def noise_mark(value: float | None, interval: tuple | None, none: float) -> str:
 
 
 def _speedup_text(row: BenchRow) -> str:
+    if row.speedup_vs_baseline is None:
+        return "–"
     mark = "" if row.stage == "baseline" else noise_mark(row.speedup_vs_baseline, row.speedup_ci, 1.0)
     return f"{_f(row.speedup_vs_baseline, '.2f')}×{mark}"
 
@@ -471,8 +473,8 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
             f"{c['value']:+.1%}{_interval_text(c['lo'], c['hi'], '+.1%')} in median step time{told}"
         )
     lines += [f"\n{line}" for line in compilation_costs(rows) + warm_ups(rows) + best_against_published(rows)]
-    marks = f"{_speedup_text(r)} {_overhead_text(r)} {_vs_stock_text(r) if stock else ''}"
-    if any(mark in marks for r in rows for mark in (NOISE, NO_INTERVAL)):
+    marks = " ".join(f"{_speedup_text(r)} {_overhead_text(r)} {_vs_stock_text(r) if stock else ''}" for r in rows)
+    if any(mark in marks for mark in (NOISE, NO_INTERVAL)):
         lines.append("\n" + NOISE_LEGEND)
     note = interval_note(rows)
     if note:
