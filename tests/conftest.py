@@ -1,7 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+# Tests never read or write the user's hf_apex cache (autotune's decisions, the compiled work of compile_cache): the
+# session gets its own, unless HF_APEX_CACHE names one.
+os.environ.setdefault("HF_APEX_CACHE", os.path.join(tempfile.mkdtemp(prefix="hf_apex-tests-"), "autotune.json"))
 
 # Without a GPU, Triton kernels (hf_apex's row kernel for the loss) can only run in Triton's CPU interpreter, which
 # must be chosen before Triton is imported.

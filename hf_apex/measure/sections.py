@@ -34,7 +34,7 @@ def trainer_sections(trainer) -> dict:
         kernels["norms_under_torch_compile"] = norms_in_graphs(trainer)
     if trainer.compile_skipped:
         kernels["torch_compile"] = f"not used: {trainer.compile_skipped}"
-    elif "torch._functorch.config" in settings:
+    elif "ban_recompute_materialized_backward" in settings.get("torch._functorch.config", {}):
         kernels["compiled_backward"] = "recomputes the pointwise results its matmuls read (recompute_pointwise)"
     elif trainer.args.torch_compile and trainer.args.recipe.recompute_pointwise == "auto":
         kernels["compiled_backward"] = (
