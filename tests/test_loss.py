@@ -270,7 +270,7 @@ def test_without_gradients_only_the_loss_and_a_frozen_head_gets_none():
     torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", fused.SUPPORTED)
 def test_a_swapped_model_trains_on_the_same_loss_and_gradients(family, tmp_path):
     stock = tiny_model(family).train()
     for m in stock.modules():

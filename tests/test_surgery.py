@@ -26,6 +26,7 @@ STOCK_NORM = {
     "mistral": "MistralRMSNorm",
     "t5": "T5LayerNorm",
     "olmo": "OlmoLayerNorm",
+    "gpt_neox": "LayerNorm",
 }
 assert set(STOCK_NORM) == set(TINY)
 

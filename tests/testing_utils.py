@@ -59,6 +59,7 @@ TINY = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_DECODER, "head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", _DECODER),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**_ENCODER, "tie_word_embeddings": False}),
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",

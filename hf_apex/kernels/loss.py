@@ -41,7 +41,7 @@ ROW_CHUNK_BYTES = 2**31
 FP32_HEAD_GRAD = True
 _MM_OUT_DTYPE = has_mm_out_dtype()  # (read as a constant under torch.compile)
 # Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox")
 # Config attributes that put something between the head and the softmax in some families.
 _LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
