@@ -72,10 +72,11 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
         raise ValueError(f"apex_strict_kernels=True but apex's kernels cannot run here: {why}. {fix_for(why)}")
 
 
-def why_not_compile(args, train_dataset) -> str | None:
-    """Why a run asked to compile should run eager, or None: fewer optimizer steps than the recipe's ``min_steps``, or
-    a stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) without a GPU to record them on (the
-    backend of yours compiles as asked)."""
+def why_not_compile(args, train_dataset, payback: dict | None = None) -> str | None:
+    """Why a run asked to compile should run eager, or None: fewer optimizer steps than compiling needs to repay itself
+    (``payback``, :func:`hf_apex.autotune.compiled.compile_payback`: measured on this GPU, else the recipe's
+    ``min_steps``), or a stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) without a GPU to
+    record them on (the backend of yours compiles as asked)."""
     if not isinstance(args, ApexTrainingArguments) or not args.torch_compile:
         return None
     stage_backend = STAGES[args.stage].torch_compile_backend if args.stage else None
@@ -83,7 +84,8 @@ def why_not_compile(args, train_dataset) -> str | None:
         args.use_cpu or not torch.cuda.is_available()
     ):
         return f"no CUDA GPU to record stage {args.stage!r}'s CUDA graphs on: its eager kernels run as they are"
-    min_steps = args.recipe.min_steps
+    payback = payback or {"min_steps": args.recipe.min_steps, "source": "recipe"}
+    min_steps = payback["min_steps"]
     if not min_steps:
         return None
     if args.max_steps > 0:
@@ -95,9 +97,16 @@ def why_not_compile(args, train_dataset) -> str | None:
         return None  # unknown length: compile as asked
     if steps >= min_steps:
         return None
+    always = """(--stage_recipe '{"min_steps": 0}' compiles anyway)"""
+    if payback["source"] == "measured":
+        return (
+            f"the run has {steps} optimizer steps; on this GPU compiling repays itself after {min_steps} (measured "
+            f"here: {payback['eager_step_ms']:.1f} ms a step eager, {payback['compiled_step_ms']:.1f} compiled, "
+            f"{payback['warmup_s']:.1f} s of {payback['state']} warm-up) {always}"
+        )
     return (
-        f"the run has {steps} optimizer steps, fewer than the stage recipe's min_steps={min_steps}, so "
-        """compilation would cost more than it saves (--stage_recipe '{"min_steps": 0}' compiles anyway)"""
+        f"the run has {steps} optimizer steps, fewer than the stage recipe's min_steps={min_steps}, so compilation "
+        f"would cost more than it saves {always}"
     )
 
 

@@ -26,7 +26,9 @@ class StageRecipe:
 
     Attributes:
         min_steps: *compiled*: a run of fewer optimizer steps than this runs eager and says why (compilation would
-            not repay itself); 0 compiles whenever asked.
+            not repay itself), until runs on this GPU have measured the same model, stage and batch both eager and
+            compiled: then the measured break-even replaces it (:func:`hf_apex.autotune.compiled.compile_payback`);
+            0 compiles whenever asked.
         recompute_pointwise: *compiled*: ``"true"``: the backward recomputes the pointwise results its matmuls read
             (a GELU's output) instead of keeping them from the forward: less activation memory for a little time;
             ``"auto"``: the same, except where the loss runs without the logits (``fused_linear_cross_entropy``),

@@ -16,7 +16,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import ParallelMode
 
 from . import policy, runtime
-from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
+from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, compiled, training_pass
 from .autotune.cache import checkpoint_decisions, save_decisions
 from .autotune.compiled import CompileCache
 from .kernels.attention import capture as capture_attention
@@ -83,7 +83,11 @@ class ApexTrainer(Trainer):
         self._deferred_calls: dict | None = None  # while it is written: the kernel call counts at its own step
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
-        self.compile_skipped = policy.why_not_compile(args, train_dataset)
+        self._payback_key = self.compile_payback = None  # what compiling repays here (compiled.compile_payback)
+        if isinstance(args, ApexTrainingArguments) and args.torch_compile:
+            self._payback_key = compiled.payback_key(args, model)
+            self.compile_payback = compiled.compile_payback(args, model)
+        self.compile_skipped = policy.why_not_compile(args, train_dataset, self.compile_payback)
         if self.compile_skipped:
             logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
             args = copy.copy(args)
@@ -138,7 +142,11 @@ class ApexTrainer(Trainer):
             self.fp32_outputs_dropped, self._first_batch = False, True
             self._reuse_compiled_work(run)
             run.callback(self._log_deferred)  # a run that stops between a logging step and the next keeps its log
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            if self.stage_metrics is not None and self.is_world_process_zero():
+                state = None if self.compile_skipped else self.compile_cache.state if self.compile_cache else "cold"
+                compiled.record_payback(self.args, self._payback_key, self.stage_metrics.last_summary, state)
+            return output
 
     def _reuse_compiled_work(self, run: contextlib.ExitStack) -> None:
         """A run that compiles loads its compile-cache artifacts at the start of training, saves them after the metrics

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_apex import ApexTrainer
+from hf_apex.autotune import DecisionCache, compiled
 from hf_apex.autotune.compiled import artifacts_path, key_parts
 from hf_apex.measure.report import METRICS_FILENAME, fp32_matmul_precision
 from tests.test_trainer import train_args
@@ -112,7 +113,8 @@ def test_compile_cache_off_writes_nothing(tmp_path):
     trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     trainer.train()
     metrics = json.loads((tmp_path / "out" / METRICS_FILENAME).read_text())
-    assert metrics["compile_cache"] == {"state": "off", "why": "compile_cache=False"}
+    payback = {"min_steps": 0, "source": "recipe"}  # (min_steps 0: compiled whatever was measured)
+    assert metrics["compile_cache"] == {"state": "off", "why": "compile_cache=False", "payback": payback}
     assert trainer.compile_cache is None
     assert not (autotune_cache.parent / "compiled").exists()
 
@@ -138,6 +140,8 @@ def test_artifacts_key_follows_model_and_stage(tmp_path):
     model = tiny_model("llama")
     model.config._name_or_path = "somewhere/else"
     args = train_args(tmp_path, stage="fastest", autotune_cache=cache)
+    assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
+    model.config.use_cache = False  # (as the Trainer sets it from its arguments, after a run's key is taken)
     assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
 
 
@@ -171,3 +175,67 @@ def test_to_step_10(steps, tmp_path):
     # the host's time before the first step, then the steps' own times (rounded in the JSON)
     assert run["to_step_10_s"] >= sum(steps_ms[:10]) / 1e3 - 1e-6
     assert run["to_step_10_s"] < run["wall_time_s"]
+
+
+def test_runs_measure_when_compiling_repays_and_later_runs_decide_by_it(tmp_path):
+    """Each run records its median step and its first steps' extra cost in the autotune cache (eager where it did not
+    compile, cold or warm where it did); a later run of the same key compiles only when its steps repay that."""
+    cache = tmp_path / "autotune.json"
+    model = tiny_model("gpt2").train()
+
+    def trainer(steps: int, **recipe):
+        args = train_args(
+            tmp_path / "out",
+            stage="fastest",
+            stage_recipe=recipe,
+            torch_compile_backend="aot_eager",
+            max_steps=steps,
+            autotune_cache=str(cache),
+        )
+        return ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
+
+    short = trainer(4)  # nothing measured yet: the recipe's prior (fastest's min_steps, 500)
+    assert short.compile_payback == {"min_steps": 500, "source": "recipe"}
+    assert "fewer than the stage recipe's min_steps=500" in short.compile_skipped
+    short.train()
+    trainer(4, min_steps=0).train()  # compiles: measured as cold (this run's compile-cache state)
+    asked = train_args(tmp_path, stage="fastest", torch_compile_backend="aot_eager", autotune_cache=str(cache))
+    key = compiled.payback_key(asked, model)  # (of what the runs asked for: the eager one's args are a copy)
+    (record,) = [v for v in json.loads(cache.read_text()).values() if v.get("key") == key]
+    assert set(record) == {"key", "eager", "cold"}
+    assert all(record[s]["step_ms"] > 0 for s in ("eager", "cold"))
+    metrics = json.loads((tmp_path / "out" / METRICS_FILENAME).read_text())
+    assert metrics["compile_cache"]["payback"] == {"min_steps": 0, "source": "recipe"}
+
+    def decide(eager, cold, warm=None, steps=40):
+        entries = {"eager": eager, "cold": cold} | ({"warm": warm} if warm else {})
+        DecisionCache(cache).put(key, {s: {"step_ms": v[0], "overhead_s": v[1]} for s, v in entries.items()})
+        return trainer(steps)
+
+    # a compiled step 4 ms faster, its first steps 20 s dearer: 5,000 steps to repay
+    slow_to_repay = decide(eager=(10.0, 0.5), cold=(6.0, 20.5))
+    assert slow_to_repay.compile_payback["min_steps"] == 5000
+    assert slow_to_repay.compile_payback["source"] == "measured"
+    assert "compiling repays itself after 5000 (measured here" in slow_to_repay.compile_skipped
+    quick = decide(eager=(10.0, 0.5), cold=(6.0, 0.6))  # 0.1 s dearer: 25 steps, fewer than the run's 40
+    assert quick.compile_payback["min_steps"] == 25 and quick.compile_skipped is None and quick.args.torch_compile
+    never = decide(eager=(10.0, 0.5), cold=(11.0, 0.6), steps=10**6)  # no faster: never repays
+    assert "compiling repays itself after" in never.compile_skipped
+    # with the artifacts of an earlier run there, the warm measure: 2 s dearer, 500 steps
+    warm = dict(eager=(10.0, 0.5), cold=(6.0, 20.5), warm=(6.0, 2.5))
+    assert decide(**warm).compile_payback["state"] == "cold"  # (no artifacts file: the compile cache is cold)
+    path = artifacts_path(asked, model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    assert decide(**warm).compile_payback == {
+        "min_steps": 500,
+        "source": "measured",
+        "state": "warm",
+        "eager_step_ms": 10.0,
+        "compiled_step_ms": 6.0,
+        "warmup_s": 2.0,
+    }
+    assert compiled.compile_payback(train_args(tmp_path, stage="fastest", stage_recipe={"min_steps": 0}), model) == {
+        "min_steps": 0,
+        "source": "recipe",
+    }  # 0 compiles whatever was measured

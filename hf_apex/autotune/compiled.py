@@ -11,6 +11,12 @@ file (a temporary file, then ``os.replace``). A file that cannot be read or writ
 
 torch's caches key each graph by its own content and settings, so a file holds what fits this key and is only ever
 reused where torch's keys match: the file's key picks which artifacts are worth loading.
+
+Whether compiling repays itself (:func:`compile_payback`): a run of the recipe's ``min_steps`` or more compiles; a
+shorter one runs eager, unless this GPU has measured both ways for the same key and batch: each run that keeps its
+stage metrics records, in the autotune cache, its median step and what its first ten steps cost beyond ten such steps
+(compiled: per compile-cache state, cold or warm; eager: as it ran when it did not compile). From those the break-even
+step count replaces the recipe's prior.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -47,11 +54,12 @@ def compiled_dir(autotune_cache: str | os.PathLike | None = None) -> Path:
 
 def config_hash(model) -> str | None:
     """A hash of the model's config (None without one); its name or path left out: two checkpoints of one
-    architecture compile the same graphs."""
+    architecture compile the same graphs. ``use_cache`` too: the Trainer sets it from its own arguments."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None
-    entries = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    left_out = ("_name_or_path", "transformers_version", "use_cache")
+    entries = {k: v for k, v in config.to_dict().items() if k not in left_out}
     return hashlib.sha1(json.dumps(entries, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -169,3 +177,59 @@ class CompileCache(TrainerCallback):
                 for name in CACHES
             },
         }
+
+
+def payback_key(args, model) -> dict | None:
+    """What a run's step times depend on: :func:`key_parts` (for a run that compiles, whatever it ends up doing) and
+    the batch; None without a model to key by (``model_init``)."""
+    if model is None:
+        return None
+    return {
+        "kind": "compile_payback",
+        **key_parts(args, model),
+        "batch": args.per_device_train_batch_size,
+        "accumulation": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+    }
+
+
+def compile_payback(args, model) -> dict:
+    """How many optimizer steps a run must have for compiling to repay itself: ``min_steps``, and ``source``:
+    ``"measured"`` (with the measured ``eager_step_ms``, ``compiled_step_ms``, ``warmup_s`` it follows from and the
+    compile-cache ``state`` it expects) or ``"recipe"`` (the recipe's prior, until this GPU has measured both)."""
+    prior = {"min_steps": args.recipe.min_steps, "source": "recipe"}
+    key = payback_key(args, model)
+    if not args.recipe.min_steps or key is None:
+        return prior
+    record = DecisionCache(args.autotune_cache).get(key) or {}
+    state = "warm" if args.compile_cache and artifacts_path(args, model).is_file() else "cold"
+    eager = record.get("eager")
+    compiled = record.get(state) or record.get("cold")  # (no warm measure yet: the cold one, the dearer)
+    if not (eager and compiled):
+        return prior
+    gain_ms = eager["step_ms"] - compiled["step_ms"]
+    warmup_s = max(compiled["overhead_s"] - eager["overhead_s"], 0.0)
+    steps = math.ceil(1e3 * warmup_s / gain_ms) if gain_ms > 0 else math.inf
+    return {
+        # a compiled step no faster than an eager one never repays: a bound no run reaches
+        "min_steps": steps if steps != math.inf else 2**62,
+        "source": "measured",
+        "state": state,
+        "eager_step_ms": eager["step_ms"],
+        "compiled_step_ms": compiled["step_ms"],
+        "warmup_s": round(warmup_s, 2),
+    }
+
+
+def record_payback(args, key: dict | None, summary: dict | None, state: str | None) -> None:
+    """Note a finished run's median step and the cost of its first steps beyond as many median steps, under its
+    :func:`payback_key`: as ``state`` (``"cold"``/``"warm"``) where it compiled, as ``"eager"`` where it did not."""
+    run = (summary or {}).get("run", {})
+    step_ms = ((summary or {}).get("step_time_ms") or {}).get("p50")
+    if key is None or not step_ms or run.get("to_step_10_s") is None or not run.get("timed_steps"):
+        return
+    overhead_s = run["to_step_10_s"] - run["to_step_10_of"] * step_ms / 1e3
+    cache = DecisionCache(args.autotune_cache)
+    record = {k: v for k, v in (cache.get(key) or {}).items() if k != "key"}
+    record[state or "eager"] = {"step_ms": round(step_ms, 3), "overhead_s": round(overhead_s, 3)}
+    cache.put(key, record)

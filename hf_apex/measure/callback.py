@@ -63,6 +63,7 @@ class StageMetricsCallback(TrainerCallback):
         self._cuda = cuda
         self._index = 0
         self._peak_memory: list[float] | None = None
+        self.last_summary: dict | None = None  # the summary this train() call wrote (the main process)
         self._model = self._optimizer = None
         self._calls_at_start: dict = {}
         self._shape: dict = {}
@@ -135,7 +136,7 @@ class StageMetricsCallback(TrainerCallback):
         self._flush(final=True)  # a collective under DDP: every rank takes part
         self._window.clear()  # no log follows: the summary holds these steps
         if state.is_world_process_zero:
-            summary = self.summary(args, state)
+            summary = self.last_summary = self.summary(args, state)
             for line in summary_lines(summary):
                 logger.info("%s", line)
             path = write_metrics_file(args.output_dir, summary)

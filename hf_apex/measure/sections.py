@@ -82,15 +82,16 @@ def trainer_sections(trainer) -> dict:
 def compile_cache_section(trainer) -> dict:
     """Whether the run's compiled work came from an earlier run's compile-cache artifacts ("warm"), was compiled here
     ("cold"), or the cache was not used ("off", and why)."""
+    payback = {"payback": trainer.compile_payback} if trainer.compile_payback else {}
     if trainer.compile_cache is not None:
-        return trainer.compile_cache.report()
+        return {**trainer.compile_cache.report(), **payback}
     if trainer.compile_skipped:
         why = f"the run does not compile: {trainer.compile_skipped}"
     elif not trainer.args.torch_compile:
         why = "the run does not compile"
     else:
         why = "compile_cache=False"
-    return {"state": "off", "why": why}
+    return {"state": "off", "why": why, **payback}
 
 
 def ddp_settings(trainer) -> dict | None:
