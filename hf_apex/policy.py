@@ -72,6 +72,17 @@ def validate_apex_args(args: ApexTrainingArguments) -> None:
         raise ValueError(f"apex_strict_kernels=True but apex's kernels cannot run here: {why}. {fix_for(why)}")
 
 
+def graphs_without_gpu(args) -> str | None:
+    """Why a stage's CUDA graphs of the eager kernels (``auto``'s ``cudagraphs`` backend) cannot be recorded here (no
+    GPU), or None; a backend of yours compiles as asked."""
+    stage_backend = STAGES[args.stage].torch_compile_backend if args.stage else None
+    if stage_backend == args.torch_compile_backend == CUDA_GRAPHS_BACKEND and (
+        args.use_cpu or not torch.cuda.is_available()
+    ):
+        return f"no CUDA GPU to record stage {args.stage!r}'s CUDA graphs on: its eager kernels run as they are"
+    return None
+
+
 def why_not_compile(args, train_dataset, payback: dict | None = None) -> str | None:
     """Why a run asked to compile should run eager, or None: fewer optimizer steps than compiling needs to repay itself
     (``payback``, :func:`hf_apex.autotune.compiled.compile_payback`: measured on this GPU, else the recipe's
@@ -79,11 +90,8 @@ def why_not_compile(args, train_dataset, payback: dict | None = None) -> str | N
     record them on (the backend of yours compiles as asked)."""
     if not isinstance(args, ApexTrainingArguments) or not args.torch_compile:
         return None
-    stage_backend = STAGES[args.stage].torch_compile_backend if args.stage else None
-    if stage_backend == args.torch_compile_backend == CUDA_GRAPHS_BACKEND and (
-        args.use_cpu or not torch.cuda.is_available()
-    ):
-        return f"no CUDA GPU to record stage {args.stage!r}'s CUDA graphs on: its eager kernels run as they are"
+    if no_gpu := graphs_without_gpu(args):
+        return no_gpu
     payback = payback or {"min_steps": args.recipe.min_steps, "source": "recipe"}
     min_steps = payback["min_steps"]
     if not min_steps:

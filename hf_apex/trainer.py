@@ -84,7 +84,7 @@ class ApexTrainer(Trainer):
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
         self._payback_key = self.compile_payback = None  # what compiling repays here (compiled.compile_payback)
-        if isinstance(args, ApexTrainingArguments) and args.torch_compile:
+        if isinstance(args, ApexTrainingArguments) and args.torch_compile and not policy.graphs_without_gpu(args):
             self._payback_key = compiled.payback_key(args, model)
             self.compile_payback = compiled.compile_payback(args, model)
         self.compile_skipped = policy.why_not_compile(args, train_dataset, self.compile_payback)
