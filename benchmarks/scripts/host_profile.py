@@ -102,11 +102,7 @@ class Profile(TrainerCallback):
         table = self.torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         print(table)
         # Where the device time goes: busy time against the (profiled) wall time, then the kernels that take it.
-        busy_ms = sum(
-            e.time_range.elapsed_us()
-            for e in self.torch_prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-        ) / (1e3 * n)
+        busy_ms = sum(e.time_range.elapsed_us() for e in self.device_work()) / (1e3 * n)
         print(f"\n== device time per optimizer step (mean of {n}) ==")
         print(f"  wall {1e3 * self.wall_torch / n:8.2f} ms (profiled), kernels and copies {busy_ms:8.2f} ms")
         print(
@@ -117,15 +113,21 @@ class Profile(TrainerCallback):
         self.report_budget(n)
         self.report_aten_kernels(n)
 
+    def device_work(self):
+        """The kernels and copies the device ran: not the ranges that name them (``Optimizer.step#AdamW.step`` spans
+        the optimizer's kernels on the device's timeline too, and would count them twice)."""
+        for e in self.torch_prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+                yield e
+
     def report_budget(self, n: int):
         """The device time of the step's kernels by kind (the first pattern a kernel's name matches, in this order:
         a Triton kernel that Inductor fused around a norm counts as the norm's)."""
         spent, calls = Counter(), Counter()
-        for e in self.torch_prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                kind = next((k for k, pats in BUDGET if any(p in e.name.lower() for p in pats)), "other")
-                spent[kind] += e.time_range.elapsed_us()
-                calls[kind] += 1
+        for e in self.device_work():
+            kind = next((k for k, pats in BUDGET if any(p in e.name.lower() for p in pats)), "other")
+            spent[kind] += e.time_range.elapsed_us()
+            calls[kind] += 1
         total = sum(spent.values())
         print(f"\n== device time by kind, per optimizer step (mean of {n}) ==")
         for kind, us in spent.most_common():
