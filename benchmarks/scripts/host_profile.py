@@ -34,7 +34,8 @@ BUDGET = (
     ("matmuls (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitkreduce")),
     ("attention (SDPA)", ("sdpa", "fmha", "flash", "cudnn", "attention")),
     ("loss row kernel", ("softmax_xent",)),
-    ("optimizer and clipping", ("multi_tensor_apply", "adam", "foreach")),
+    ("optimizer (Adam's kernels)", ("adam",)),  # (torch's FusedAdamMathFunctor, apex's AdamFunctor)
+    ("clipping and other foreach ops", ("multi_tensor_apply", "foreach", "lpnorm")),
     ("norms (and what Inductor fused into them)", ("layer_norm", "rms_norm", "cuapplylayernorm", "cuapplyrmsnorm")),
     ("dropout (torch's kernels)", ("fused_dropout",)),
     ("other Triton kernels (Inductor)", ("triton_",)),
