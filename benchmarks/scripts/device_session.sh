@@ -119,7 +119,8 @@ o = bench.parse_args(['--data_dir', '.deps/data', '--warmup', '10']); o.tiny = F
 print('\0'.join(bench.finetune_args('$model', '$stage', o, pathlib.Path('.bench/hostprof'))), end='')")
       log=$OUT/hostprof-$model-$stage${plain:+-plain}.log
       timeout -k 10 $(left) python3 benchmarks/scripts/host_profile.py ${plain:+--plain} --steps 20:23 "${flags[@]}" $HP_FLAGS > $log 2>&1
-      echo "hostprof $model $stage ${plain} rc $?"; grep -E "wall|kernels and copies|Synchronize|_local_scalar|==" $log | head -20;;
+      echo "hostprof $model $stage ${plain} rc $?"; grep -E "wall|Synchronize|_local_scalar" $log | head -8
+      sed -n '/== device time by kind/,/^$/p' $log;;
     resume:*)
       IFS=: read -r _ folder stages <<< "$step"
       mkdir -p .bench/runs
