@@ -105,6 +105,8 @@ class StageConfig:
         attention_backend: the SDPA backend (:mod:`hf_apex.kernels.attention`): None for PyTorch's choice, a
             backend's name, or ``"fastest"`` (timed on the first batch). A default.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
+        packing: the batches' layout (:mod:`hf_apex.data`): None (as given), ``"documents"``, ``"buckets"`` or
+            ``"auto"`` (documents for a causal LM, buckets otherwise, nothing for examples of one length). A default.
     """
 
     name: str
@@ -121,9 +123,10 @@ class StageConfig:
     fused_linear_cross_entropy: bool = False
     attention_backend: str | None = None
     tf32: bool = False
+    packing: str | None = None
 
     # not switches of the ladder but tuning: the stage's value is a default you may change
-    OVERRIDABLE = ("torch_compile_mode", "torch_compile_backend", "attention_backend")
+    OVERRIDABLE = ("torch_compile_mode", "torch_compile_backend", "attention_backend", "packing")
 
     def settings(self) -> dict:
         """The arguments this stage sets, by name."""
@@ -156,7 +159,7 @@ STAGES: dict[str, StageConfig] = {
         StageConfig(
             "fastest",
             "compiled with CUDA graphs + a causal LM's loss without its logits + the SDPA backend timed fastest on "
-            "this GPU + the compile recipe (StageRecipe)",
+            "this GPU + natural-length data packed or bucketed + the compile recipe (StageRecipe)",
             StageRecipe(
                 min_steps=500,  # compilation repays itself after a few hundred steps
                 recompute_pointwise="auto",
@@ -169,6 +172,7 @@ STAGES: dict[str, StageConfig] = {
             torch_compile_mode="reduce-overhead",  # CUDA graphs: one replay per graph, not a launch per kernel
             fused_linear_cross_entropy=True,
             attention_backend="fastest",
+            packing="auto",  # natural-length data in a few fixed shapes: one compilation, CUDA graphs that hold
         ),
         StageConfig(
             "auto",

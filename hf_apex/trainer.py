@@ -15,7 +15,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import ParallelMode
 
-from . import policy, runtime
+from . import data, policy, runtime
 from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, compiled, training_pass
 from .autotune.cache import checkpoint_decisions, save_decisions
 from .autotune.compiled import CompileCache
@@ -27,7 +27,7 @@ from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
-from .measure.sections import trainer_sections
+from .measure.sections import compiled_graphs, trainer_sections
 from .training_args import (
     ApexTrainingArguments,
     graph_norm_kernel,
@@ -67,7 +67,17 @@ class ApexTrainer(Trainer):
     documented where it is applied: swapped norms (``hf_apex.unrewire``), the fused loss and rotary embeddings
     computed once (restored by the next run that has them off)."""
 
-    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, *more, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        *more,
+        **kwargs,
+    ):
         self.autotuner: Autotuner | None = None
         self.rewire_report: RewireReport | None = None
         self.loss_fusion: dict | None = None  # what fuse_loss did
@@ -82,6 +92,25 @@ class ApexTrainer(Trainer):
         self._deferred_log: tuple | None = None  # a logging step's log, written at the next step
         self._deferred_calls: dict | None = None  # while it is written: the kernel call counts at its own step
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
+        self._graphs_at_start: tuple | None = None  # compiled and CUDA graphs of the process when train() began
+        # The batches' layout (packing): decided on the data and the model before anything counts the steps.
+        self.batches: data.Batches | None = None
+        if isinstance(args, ApexTrainingArguments) and args.packing not in (None, "off"):
+            self.batches = data.arrange(
+                args.packing,
+                model,
+                train_dataset,
+                eval_dataset,
+                data_collator or runtime.default_collator(processing_class),
+                rows=args.per_device_train_batch_size,
+                length=args.packing_length,
+                pad_token_id=getattr(processing_class, "pad_token_id", None),
+            )
+            train_dataset, eval_dataset = self.batches.train_dataset, self.batches.eval_dataset
+            data_collator = self.batches.collator
+            if self.batches.sampling:
+                args = copy.copy(args)
+                args.train_sampling_strategy = self.batches.sampling
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
         self._payback_key = self.compile_payback = None  # what compiling repays here (compiled.compile_payback)
         if isinstance(args, ApexTrainingArguments) and args.torch_compile and not policy.graphs_without_gpu(args):
@@ -92,7 +121,7 @@ class ApexTrainer(Trainer):
             logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
             args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, "no", None
-        super().__init__(model, args, data_collator, train_dataset, *more, **kwargs)
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *more, **kwargs)
         self._accelerate_settings = runtime.accelerate_settings(self.accelerator)
         refuse_accumulation_under_cuda_graphs(self.args)  # (plain TrainingArguments; ApexTrainingArguments refuse it)
         if not isinstance(self.args, ApexTrainingArguments):
@@ -140,6 +169,7 @@ class ApexTrainer(Trainer):
                 run.callback(self.autotuner.end_run)
             self.sdpa_backend = None if self.args.attention_backend == "fastest" else self.args.attention_backend
             self.fp32_outputs_dropped, self._first_batch = False, True
+            self._graphs_at_start = compiled_graphs()
             self._reuse_compiled_work(run)
             run.callback(self._log_deferred)  # a run that stops between a logging step and the next keeps its log
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
@@ -165,6 +195,9 @@ class ApexTrainer(Trainer):
             use_static_masks(self.model, on=False)
 
     def training_step(self, model, inputs, *args, **kwargs):
+        inputs, real_tokens = data.take_real_tokens(inputs)  # (a packed or bucketed batch counts them on the host)
+        if real_tokens is not None and self.stage_metrics is not None:
+            self.stage_metrics.count_real_tokens(real_tokens)
         masks = self._one_sequence_per_row(inputs)
         with policy.compiled_step_settings(self.args, self.model), one_sequence_per_row(masks):
             if self.autotuner is not None:
@@ -247,6 +280,7 @@ class ApexTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     def prediction_step(self, model, inputs, *args, **kwargs):
+        inputs, _ = data.take_real_tokens(inputs)
         with preferring(self.sdpa_backend), one_sequence_per_row(self._one_sequence_per_row(inputs)):
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
         if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy

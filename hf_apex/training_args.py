@@ -11,6 +11,7 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from .data import LAYOUTS
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .kernels.trace import APEX, TORCH
 from .stages import APEX_OPTIMIZERS, STAGES, StageRecipe, get_stage
@@ -151,6 +152,14 @@ class ApexTrainingArguments(TrainingArguments):
             Peak dense TFLOP/s for MFU; `None` looks the GPU up in `hf_apex.measure.flops.PEAK_TFLOPS`.
         profile_kernels (`bool`, *optional*, defaults to `True`):
             On CUDA, profile one warm-up step and record which apex kernels executed.
+        packing (`str` or `None`, *optional*, defaults to `None`):
+            The training batches' layout (`hf_apex.data`): `"documents"` packs a causal LM's examples into rows of
+            `packing_length` tokens with positions restarting at each document (attention and loss stay within each
+            document; one batch shape); `"buckets"` groups examples by length and pads each batch to one of a few
+            lengths; `"auto"` picks documents for a causal LM, buckets otherwise, and neither where every example has
+            one length. `None` or `"off"`: the batches as your collator makes them. The `fastest` stage sets `auto`.
+        packing_length (`int` or `None`, *optional*, defaults to `None`):
+            Tokens per packed row (`packing="documents"`); default: the model's maximum positions, at most 1024.
         fp32_outputs (`bool`, *optional*, defaults to `False`):
             Under autocast, keep accelerate's FP32 copy of the model's outputs (the loss is FP32 either way).
 
@@ -252,6 +261,19 @@ class ApexTrainingArguments(TrainingArguments):
             "each forward. Off: they stay in the autocast dtype; the loss is FP32 either way."
         },
     )
+    packing: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training batches in a few fixed shapes: documents (a causal LM's examples packed into rows, "
+            "positions restarting per document), buckets (grouped by length, padded to a few lengths), auto "
+            "(documents for a causal LM, else buckets), off. The fastest stage sets auto.",
+            "choices": list(LAYOUTS),
+        },
+    )
+    packing_length: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per packed row (packing=documents); default: the model's positions, at most 1024."},
+    )
     logging_nan_inf_filter: bool = field(
         default=False,
         metadata={
@@ -282,6 +304,10 @@ class ApexTrainingArguments(TrainingArguments):
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
+        if self.packing not in (None, *LAYOUTS):
+            raise ValueError(f"packing must be one of {LAYOUTS} or None, got {self.packing!r}")
+        if self.packing_length is not None and self.packing_length < 2:
+            raise ValueError(f"packing_length must be at least 2 tokens, got {self.packing_length}")
         if self.metrics_warmup_steps < 0:
             raise ValueError(f"metrics_warmup_steps must be >= 0, got {self.metrics_warmup_steps}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:

@@ -66,6 +66,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
     HfArgumentParser,
     default_data_collator,
@@ -117,6 +118,7 @@ class Parser(HfArgumentParser):
 
 
 GRAPH_PAD_MULTIPLE = 16  # sst2 under CUDA graphs: batches padded to a multiple of this many tokens
+PARAGRAPH_CHARS = 80  # wikitext2 paragraphs: lines longer than this (the headings and blank lines are shorter)
 
 
 @dataclass
@@ -151,6 +153,15 @@ class ScriptArguments:
     )
     block_size: int | None = field(
         default=None, metadata={"help": "wikitext2: tokens per training block (default: min(1024, model maximum))."}
+    )
+    wikitext_examples: str = field(
+        default="blocks",
+        metadata={
+            "help": "wikitext2: blocks (the text concatenated and cut into --block_size blocks: no padding) or "
+            f"paragraphs (each line of over {PARAGRAPH_CHARS} characters one example of its natural length, cut at "
+            "--block_size, padded per batch, or packed with --packing)",
+            "choices": ["blocks", "paragraphs"],
+        },
     )
     save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to --output_dir."})
     trainer: str = field(
@@ -253,6 +264,8 @@ def check_args(args: ScriptArguments) -> None:
         raise InputError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
     if args.model_type is not None and args.tokenizer_name is None:
         raise InputError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
+    if args.wikitext_examples != "blocks" and args.task != "wikitext2":
+        raise InputError(f"--wikitext_examples {args.wikitext_examples} applies to --task wikitext2 only.")
     if args.config_overrides is not None and args.model_type is None:
         raise InputError("--config_overrides only applies with --model_type.")
     for flag in ("model_name_or_path", "tokenizer_name"):
@@ -523,6 +536,9 @@ def prepare_wikitext2(args, raw, tokenizer, model, training_args):
         out["labels"] = [ids.copy() for ids in out["input_ids"]]
         return out
 
+    if args.wikitext_examples == "paragraphs":
+        return prepare_paragraphs(args, raw, tokenizer, block, training_args)
+
     with training_args.main_process_first(desc="tokenizing"):
         transformers.utils.logging.set_verbosity_error()  # "sequence longer than max" is expected before packing
         tokenized = raw.map(tokenize, batched=True, remove_columns=["text"], desc="Tokenizing")
@@ -535,6 +551,24 @@ def prepare_wikitext2(args, raw, tokenizer, model, training_args):
             )
     packed = limit(packed, args)
     return packed["train"], packed["validation"], default_data_collator, None
+
+
+def prepare_paragraphs(args, raw, tokenizer, block, training_args):
+    """WikiText-2's paragraphs as examples of their natural lengths (cut at ``block`` tokens), in the data's order,
+    padded per batch to the longest by transformers' language-modelling collator (labels: the inputs, padding
+    ignored), as a fine-tuning run on documents does; ``--packing`` packs them instead."""
+    if training_args.packing_length is None:  # packed rows as long as the blocks would be
+        training_args.packing_length = block
+    raw = raw.filter(lambda row: len(row["text"]) > PARAGRAPH_CHARS, desc="Keeping paragraphs")
+    raw = limit(raw, args)
+
+    def tokenize(batch):
+        return tokenizer([t.strip() for t in batch["text"]], truncation=True, max_length=block)
+
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized = raw.map(tokenize, batched=True, remove_columns=["text"], desc="Tokenizing")
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return tokenized["train"], tokenized["validation"], collator, None
 
 
 def limit(ds: datasets.DatasetDict, args: ScriptArguments) -> datasets.DatasetDict:

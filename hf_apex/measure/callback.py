@@ -78,6 +78,7 @@ class StageMetricsCallback(TrainerCallback):
         # A train() that raised never reached on_train_end (auto_find_batch_size retrying after an OOM, an
         # interrupted notebook cell): drop its hook and profiler, or tokens would be counted twice.
         self._counter.detach()
+        self._counter.shapes.clear()
         self._close_profile()
         self._reset(cuda=torch.cuda.is_available() and args.device.type == "cuda")
         self.stage = self.stage or getattr(args, "stage", None)
@@ -183,6 +184,15 @@ class StageMetricsCallback(TrainerCallback):
         if self.peak_tflops:
             return self.peak_tflops
         return lookup_peak_tflops(torch.cuda.get_device_name()) if self._cuda else None
+
+    def count_real_tokens(self, tokens: int) -> None:
+        """The next training micro-batch's real tokens, counted on the host (a packed batch's: ``hf_apex.data``)."""
+        self._counter.give(tokens)
+
+    @property
+    def batch_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of this run's training batches (input ids), shortest first."""
+        return sorted(self._counter.shapes)
 
     def calls(self) -> dict:
         """apex / fallback / torch call counts of this run, per component."""

@@ -44,19 +44,24 @@ def provenance() -> dict:
 
 
 def rates(records: list[StepRecord], shape: dict, peak_tflops: float | None, world: int) -> dict:
-    """Tokens/s and samples/s over ``records``, and MFU when the FLOPs and the peak are known. MFU counts the
-    positions the GPUs computed, padding included, each step at its own sequence length; tokens/s counts real
-    tokens only."""
+    """Tokens/s and samples/s over ``records``, the share of padding, and MFU when the FLOPs and the peak are known.
+    tokens/s counts real tokens only; ``mfu`` counts the positions the GPUs computed, padding included, each step at
+    its own sequence length, and ``mfu_real_tokens`` the real tokens alone (the useful share of the same work)."""
     secs = sum(r.ms for r in records) / 1e3
+    tokens, positions = sum(r.tokens for r in records), sum(r.positions for r in records)
     out = {
-        "tokens_per_s": sum(r.tokens for r in records) / secs if secs else None,
+        "tokens_per_s": tokens / secs if secs else None,
         "samples_per_s": sum(r.samples for r in records) / secs if secs else None,
+        "padding_share": 1 - tokens / positions if positions else None,
         "mfu": None,
+        "mfu_real_tokens": None,
     }
     flops = [flops_per_token(shape, r.seq_len) if shape else None for r in records]
     if peak_tflops and secs and flops and all(f is not None for f in flops):
         total = sum(f * (r.positions or r.tokens) for f, r in zip(flops, records))
+        useful = sum(f * r.tokens for f, r in zip(flops, records))
         out["mfu"] = total / secs / (peak_tflops * 1e12 * world)
+        out["mfu_real_tokens"] = useful / secs / (peak_tflops * 1e12 * world)
     return out
 
 

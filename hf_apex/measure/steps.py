@@ -90,6 +90,8 @@ class BatchCounter:
         self.handle = None
         self._tokens: list = []  # per micro-batch: a 0-d device tensor (mask sum) or an int
         self._positions = self._samples = self._seq_len = 0
+        self._given: int | None = None  # the next training forward's real tokens, counted on the host
+        self.shapes: set[tuple[int, ...]] = set()  # the training batches' shapes (input ids)
 
     def attach(self, model: torch.nn.Module) -> None:
         self.detach()
@@ -100,16 +102,25 @@ class BatchCounter:
             self.handle.remove()
             self.handle = None
 
+    def give(self, tokens: int) -> None:
+        """The next training forward's real tokens, counted on the host by the collator (``hf_apex.data``): a
+        packed batch has no attention mask to count them from."""
+        self._given = tokens
+
     def _count(self, module, args, kwargs) -> None:
         if not module.training:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
+        if self._given is not None:
+            self._tokens.append(self._given)
+            self._given = None
+        elif isinstance(mask, torch.Tensor):
             self._tokens.append(mask.sum())
         elif isinstance(ids, torch.Tensor):
             self._tokens.append(ids.numel())
         if isinstance(ids, torch.Tensor) and ids.ndim >= 2:
+            self.shapes.add(tuple(ids.shape))
             self._positions += ids.numel()
             self._samples += ids.shape[0]
             self._seq_len = max(self._seq_len, ids.shape[-1])

@@ -1,0 +1,341 @@
+"""Packed documents and length buckets (hf_apex.data): the layout, the same maths as the padded run, the trainer."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DataCollatorWithPadding
+
+from hf_apex import ApexTrainer, ApexTrainingArguments
+from hf_apex.data import (
+    IGNORE_INDEX,
+    REAL_TOKENS,
+    BucketCollator,
+    PackedCollator,
+    arrange,
+    best_fit_decreasing,
+    bucket_lengths,
+    pack_documents,
+)
+from hf_apex.kernels.attention import use_static_masks
+from hf_apex.measure.report import METRICS_FILENAME
+from tests.testing_utils import VOCAB, TokenDataset, tiny_model
+
+CAUSAL = ["gpt2", "llama", "qwen3", "gpt_neox"]
+
+
+def documents(n=9, lo=2, hi=30, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+class Examples(torch.utils.data.Dataset):
+    """Tokenized examples of their own lengths, as a map over the raw text gives them (no padding, no labels)."""
+
+    def __init__(self, docs, label=None):
+        self.docs, self.label = docs, label
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        item = {"input_ids": self.docs[i], "attention_mask": [1] * len(self.docs[i])}
+        if self.label is not None:
+            item["labels"] = i % 2
+        return item
+
+
+def test_best_fit_decreasing_places_every_item_once_within_the_capacity():
+    lengths = [random.Random(s).randint(1, 50) for s in range(200)]
+    bins = best_fit_decreasing(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    assert len(bins) <= -(-sum(lengths) // 64) + 3  # near the lower bound: BFD wastes little on such items
+    assert best_fit_decreasing(lengths, 64) == bins  # deterministic
+    assert best_fit_decreasing([5, 3, 4, 2, 8, 1], 8) == [[4], [0, 1], [2, 3, 5]]
+    with pytest.raises(ValueError, match="capacity"):
+        best_fit_decreasing([9], 8)
+
+
+def test_packed_batches_have_one_shape_positions_per_document_and_no_cross_document_targets():
+    docs = documents(n=7) + [list(range(3, 3 + 45))]  # the last is longer than a row: cut into two pieces
+    rows = pack_documents(Examples(docs), 32)
+    assert rows.tokens == sum(map(len, docs)) and rows.documents == len(docs) + 1
+    collate = PackedCollator(32, rows=4)
+    batches = [collate([rows[i] for i in range(s, min(s + 4, len(rows)))]) for s in range(0, len(rows), 4)]
+    assert {tuple(b["input_ids"].shape) for b in batches} == {(4, 32)}  # a short last batch is filled up
+    assert sum(b[REAL_TOKENS] for b in batches) == sum(map(len, docs))
+    for b in batches:
+        starts = b["position_ids"] == 0
+        assert (b["labels"][starts] == IGNORE_INDEX).all()  # a document's first token: no target of the one before
+        assert ((b["labels"] != IGNORE_INDEX).sum() + starts.sum()) >= b[REAL_TOKENS]
+    # every document comes back whole (pieces of the long one in order), its positions counting from 0
+    seen = []
+    for r in range(len(rows)):
+        row = rows[r]
+        cuts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        seen += [row["input_ids"][a:b] for a, b in zip(cuts, cuts[1:])]
+    assert sorted(seen) == sorted(docs[:-1] + [docs[-1][:32], docs[-1][32:]])
+
+
+def _per_token_losses(logits, ids, labels):
+    """Each position's loss on the next token (the model's own shift), NaN where it is ignored."""
+    target = labels[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+    return loss.masked_fill(target == IGNORE_INDEX, float("nan"))
+
+
+def _losses_by_document(model, docs, length, **forward):
+    """Per-token losses of each document, from one packed forward and from one padded forward (right padding,
+    attention mask, padding ignored), in ``docs``' order."""
+    rows = pack_documents(Examples(docs), length)
+    batch = PackedCollator(length, rows=len(rows))(list(rows))
+    forward = {"use_cache": False, **forward}  # (as the Trainer runs it: a cache turns the packing check off)
+    packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **forward).logits
+    packed = _per_token_losses(packed, batch["input_ids"], batch["labels"])
+    by_doc = []
+    for r, row in enumerate(rows.rows):
+        at = 0
+        for piece in row:
+            size = piece.stop - piece.start
+            by_doc.append((piece.example, packed[r, at : at + size - 1]))
+            at += size
+    by_doc = [losses for _, losses in sorted(by_doc, key=lambda x: x[0])]
+    width = max(map(len, docs))
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)], mask[i, : len(d)] = torch.tensor(d), 1
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    padded = _per_token_losses(model(input_ids=ids, attention_mask=mask, **forward).logits, ids, labels)
+    return by_doc, [padded[i, : len(d) - 1] for i, d in enumerate(docs)]
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+@pytest.mark.parametrize("attention", ["sdpa", "hf_apex_sdpa", "eager"])
+def test_each_token_of_a_packed_document_has_the_padded_runs_loss(family, attention):
+    model = tiny_model(family)
+    if attention == "hf_apex_sdpa":
+        assert use_static_masks(model)
+    elif attention == "eager":
+        model.set_attn_implementation("eager")
+    docs = documents()
+    with torch.no_grad():
+        packed, padded = _losses_by_document(model, docs, 48)
+    for p, q in zip(packed, padded):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)  # FP32: the same sums in other shapes
+
+
+def test_under_torch_compile_the_masks_are_built_from_the_positions_too():
+    # Traced, transformers cannot ask the positions whether rows hold several documents: it masks as if they do.
+    model = tiny_model("llama")
+    use_static_masks(model)
+    compiled = torch.compile(model, backend="eager", fullgraph=False)
+    docs = documents(seed=3)
+    with torch.no_grad():
+        packed, padded = _losses_by_document(compiled, docs, 48)
+    for p, q in zip(packed, padded):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def _no_dropout(model):
+    for m in model.modules():  # passes that must differ only in the data
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_a_documents_gradients_do_not_depend_on_its_neighbour(family):
+    model = _no_dropout(tiny_model(family).train())
+    neighbour, other, second = documents(n=3, lo=12, hi=12, seed=5)
+
+    def grads(first, positions=True):
+        batch = PackedCollator(24, rows=1)([pack_documents(Examples([first, second]), 24)[0]])
+        assert batch["input_ids"][0, 12:].tolist() == second  # the neighbour comes first in the row
+        batch["labels"][0, :12] = IGNORE_INDEX  # the loss of the second document alone
+        inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "use_cache": False}
+        if positions:
+            inputs["position_ids"] = batch["position_ids"]
+        model.zero_grad()
+        model(**inputs).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    for a, b in zip(grads(neighbour), grads(other)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # one sequence per row (no positions): the second document attends to its neighbour, and the test would fail
+    assert any(not torch.allclose(a, b) for a, b in zip(grads(neighbour, False), grads(other, False)))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_document_after_a_neighbour_learns_the_same_as_alone(family):
+    """The document that comes second in its row: its loss and gradients equal those of the same document alone."""
+    model = _no_dropout(tiny_model(family).train())
+    first, second = documents(n=2, lo=10, hi=10, seed=7)
+
+    def grads(ids, positions, labels):
+        model.zero_grad()
+        inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
+        if positions is not None:
+            inputs["position_ids"] = positions
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    rows = pack_documents(Examples([first, second]), 20)
+    batch = PackedCollator(20, rows=1)([rows[0]])
+    row = rows[0]["input_ids"]
+    at = 10 if row[:10] == first else 0  # where the second document sits in the row
+    labels = batch["labels"].clone()
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[0, at + 1 : at + 10] = True
+    labels[~keep] = IGNORE_INDEX
+    alone = torch.tensor([second])
+    loss_alone, grads_alone = grads(alone, None, alone.clone())
+    loss_packed, grads_packed = grads(batch["input_ids"], batch["position_ids"], labels)
+    torch.testing.assert_close(loss_packed, loss_alone, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_packed, grads_alone):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if at:  # without the positions the second document attends to the first: the loss changes (the test can fail)
+        loss_unmasked, _ = grads(batch["input_ids"], None, labels)
+        assert not torch.allclose(loss_unmasked, loss_alone, rtol=1e-4)
+
+
+def test_buckets_pad_each_batch_to_one_of_a_few_lengths():
+    assert bucket_lengths(66) == [16, 32, 48, 64, 80]
+    assert bucket_lengths(512)[-1] >= 512 and len(bucket_lengths(512)) <= 14
+
+    class Tok:
+        pad_token_id = 0
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def pad(self, features, **kw):
+            width = max(len(f["input_ids"]) for f in features)
+            ids = [f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features]
+            mask = [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+            out = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+            if "labels" in features[0]:
+                out["labels"] = torch.tensor([f["labels"] for f in features])
+            return out
+
+    collate = BucketCollator(Tok().pad, bucket_lengths(66))
+    examples = [{"input_ids": d, "labels": 1} for d in documents(n=5, lo=17, hi=20)]
+    batch = collate(examples)
+    assert batch["input_ids"].shape[1] == 32 and batch["attention_mask"][:, 20:].sum() == 0
+    assert batch["labels"].shape == (5,)  # one label per example: untouched
+    assert batch[REAL_TOKENS] == sum(len(e["input_ids"]) for e in examples)
+
+
+def train_args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        metrics_warmup_steps=0,
+        disable_tqdm=True,
+        seed=0,
+        stage="baseline",
+    )
+    return ApexTrainingArguments(**{**base, **kw})
+
+
+def test_the_trainer_packs_documents_into_one_shape_and_counts_real_tokens(tmp_path):
+    docs = documents(n=20, lo=3, hi=40)
+    args = train_args(tmp_path, packing="documents", packing_length=48, num_train_epochs=1)
+    trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=Examples(docs))
+    rows = len(trainer.train_dataset)
+    assert rows < len(docs) and trainer.batches.layout == "documents"
+    trainer.train()
+    steps = trainer.stage_metrics.steps
+    assert len(steps) == -(-rows // 2)
+    assert sum(s.tokens for s in steps) == sum(map(len, docs))  # every real token once, no padding
+    assert {s.positions for s in steps} == {2 * 48}
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert metrics["batches"]["layout"] == "documents" and metrics["batches"]["shapes_trained"] == [[2, 48]]
+    assert metrics["padding_share"] == pytest.approx(1 - sum(map(len, docs)) / (len(steps) * 96))
+    assert metrics["batches"]["documents"] == len(docs)
+
+
+def test_packed_training_evaluates_accumulates_and_resumes_on_the_same_rows(tmp_path):
+    docs, evaluation = documents(n=40, lo=3, hi=40, seed=1), documents(n=6, seed=2)
+
+    def run(out, resume=None):
+        args = train_args(
+            out,
+            packing="documents",
+            packing_length=48,
+            max_steps=6,
+            gradient_accumulation_steps=2,
+            save_strategy="steps",
+            save_steps=3,
+        )
+        trainer = ApexTrainer(
+            model=tiny_model("llama").train(),
+            args=args,
+            train_dataset=Examples(docs),
+            eval_dataset=Examples(evaluation),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    straight, losses = run(tmp_path / "run")
+    assert straight.stage_metrics.steps[0].positions == 2 * 2 * 48  # two micro-batches of two rows
+    again, resumed = run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-3"))
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(losses[step], rel=1e-6, abs=1e-7)
+    for p, q in zip(straight.model.parameters(), again.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    metrics = again.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_auto_packs_a_causal_lm_buckets_an_encoder_and_leaves_blocks_alone(tmp_path):
+    lm = tiny_model("gpt2")
+    assert arrange("auto", lm, Examples(documents()), None, None, rows=2).layout == "documents"
+    fixed = arrange("auto", lm, TokenDataset(n=8), None, None, rows=2)
+    assert fixed.layout == "off" and "no padding to remove" in fixed.report["why"]
+    encoder = tiny_model("bert")
+    assert arrange("auto", encoder, Examples(documents()), None, None, rows=2).layout == "buckets"
+    with pytest.raises(ValueError, match="not a causal LM.*buckets"):
+        arrange("documents", encoder, Examples(documents()), None, None, rows=2)
+    with pytest.raises(ValueError, match="input_ids"):
+        arrange("documents", lm, [{"text": "a"}], None, None, rows=2)
+
+
+def test_an_encoder_trains_on_buckets_in_at_most_one_shape_per_bucket(tmp_path):
+    class Tok:  # what DataCollatorWithPadding asks of a tokenizer
+        pad_token_id = 0
+        padding_side = "right"
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def pad(self, features, return_tensors="pt", **kw):
+            width = max(len(f["input_ids"]) for f in features)
+            return {
+                "input_ids": torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features]),
+                "attention_mask": torch.tensor(
+                    [f["attention_mask"] + [0] * (width - len(f["input_ids"])) for f in features]
+                ),
+                "labels": torch.tensor([f["labels"] for f in features]),
+            }
+
+    docs = documents(n=48, lo=2, hi=60, seed=4)
+    args = train_args(tmp_path, packing="auto", per_device_train_batch_size=4, num_train_epochs=1)
+    trainer = ApexTrainer(
+        model=tiny_model("bert").train(),
+        args=args,
+        train_dataset=Examples(docs, label=True),
+        data_collator=DataCollatorWithPadding(Tok()),
+    )
+    assert trainer.batches.layout == "buckets" and trainer.args.train_sampling_strategy == "group_by_length"
+    trainer.train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    widths = {shape[1] for shape in metrics["batches"]["shapes_trained"]}
+    assert widths <= set(metrics["batches"]["buckets"]) and len(widths) <= len(metrics["batches"]["buckets"])
+    assert sum(s.tokens for s in trainer.stage_metrics.steps) == sum(map(len, docs))
+    assert metrics["padding_share"] < 0.5  # grouped by length: far less than a random batch's padding
