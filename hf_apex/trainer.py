@@ -27,7 +27,7 @@ from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
-from .measure.sections import compiled_graphs, trainer_sections
+from .measure.sections import trainer_sections
 from .training_args import (
     ApexTrainingArguments,
     graph_norm_kernel,
@@ -92,7 +92,6 @@ class ApexTrainer(Trainer):
         self._deferred_log: tuple | None = None  # a logging step's log, written at the next step
         self._deferred_calls: dict | None = None  # while it is written: the kernel call counts at its own step
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
-        self._graphs_at_start: tuple | None = None  # compiled and CUDA graphs of the process when train() began
         # The batches' layout (packing): decided on the data and the model before anything counts the steps.
         self.batches: data.Batches | None = None
         if isinstance(args, ApexTrainingArguments) and args.packing not in (None, "off"):
@@ -169,7 +168,6 @@ class ApexTrainer(Trainer):
                 run.callback(self.autotuner.end_run)
             self.sdpa_backend = None if self.args.attention_backend == "fastest" else self.args.attention_backend
             self.fp32_outputs_dropped, self._first_batch = False, True
-            self._graphs_at_start = compiled_graphs()
             self._reuse_compiled_work(run)
             run.callback(self._log_deferred)  # a run that stops between a logging step and the next keeps its log
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)

@@ -150,8 +150,35 @@ MODELS |= {
         "rms_norm_eps=1e-5",
     },
 }
+# The natural set (--models natural): the same models on data of its natural lengths, what fine-tuning sees. The causal
+# LMs train on WikiText-2's paragraphs (15,569 lines of over 80 characters, 148 GPT-2 tokens on average, 815 at most),
+# 16 to a batch padded to its longest (8 for the 1.24B model), by transformers' language-modelling collator: 46 % of
+# the positions are real tokens, 5,199 a step (sampled from the lines: benchmarks/reports/natural-lengths.md). A row
+# that packs them (fastest; TRL's SFTTrainer) takes rows of 1,024 tokens, as many as the padded batch's positions:
+# 5 (2 for the 1.24B model), the same GPU work a step. The encoders train on SST-2's sentences padded per batch
+# (transformers' DataCollatorWithPadding), 128 to a batch as in the default set. The figure of merit is real tokens/s.
+_ROW_PARAGRAPHS = 8  # a packed row of 1,024 tokens holds ~7 paragraphs: the pool every natural row draws from
+_NATURAL_LM = {
+    "shape": ["--wikitext_examples", "paragraphs", "--block_size", "1024"],
+    "packed_batch": 5,
+    "repeats": 1,
+    "repeat_stages": (),
+    "steps": 60,
+}
+_NATURAL_ENCODER = {"shape": ["--max_seq_length", "128"], "repeats": 1, "repeat_stages": (), "steps": 60}
+MODELS |= {
+    "gpt2nat": {**MODELS["gpt2"], **_NATURAL_LM},
+    "llamanat": {**MODELS["llama"], **_NATURAL_LM},
+    "llama1bnat": {**MODELS["llama1b"], **_NATURAL_LM, "batch": 8, "packed_batch": 2},
+    "bertnat": {**MODELS["bert"], **_NATURAL_ENCODER},
+    "robertanat": {**MODELS["roberta"], **_NATURAL_ENCODER},
+}
 # --models takes a set's name too; `make bench` runs the default set.
-SETS = {"default": ["bert", "gpt2", "llama"], "families": ["roberta", "qwen3", "pythia", "llama1b"]}
+SETS = {
+    "default": ["bert", "gpt2", "llama"],
+    "families": ["roberta", "qwen3", "pythia", "llama1b"],
+    "natural": ["gpt2nat", "llamanat", "llama1bnat", "bertnat", "robertanat"],
+}
 
 # What a user would run instead of hf_apex, as bench rows beside the stages: transformers' own Trainer (through
 # recipes/finetune.py --trainer stock, with the same metrics callback), never ApexTrainer. Every row of a bench that
@@ -159,13 +186,21 @@ SETS = {"default": ["bert", "gpt2", "llama"], "families": ["roberta", "qwen3", "
 _STOCK = ["--trainer", "stock", "--optim", "adamw_torch_fused", "--bf16", "true"]
 REFERENCES = {
     "stock_compiled": [*_STOCK, "--torch_compile", "true"],
+    "stock": _STOCK,  # eager
+    # TRL's SFTTrainer with its own packing (best fit, padding-free) and the stock row's settings
+    "trl_sft": ["--trainer", "trl_sft", "--optim", "adamw_torch_fused", "--bf16", "true", "--torch_compile", "true"],
     "liger": [*_STOCK, "--use_liger_kernel", "true"],  # Liger-Kernel's Triton kernels, eager
     "liger_compiled": [*_STOCK, "--use_liger_kernel", "true", "--torch_compile", "true"],
 }
 ROWS = [*STAGES, *REFERENCES]
-# The stages a set runs by default on CUDA: the whole ladder and the references for the three bench models, the
-# references and fastest for the families.
-DEFAULT_STAGES = {"default": ROWS, "families": ["stock_compiled", "fastest", "liger", "liger_compiled"]}
+# The stages a set runs by default on CUDA: the whole ladder and the compiled and Liger references for the three bench
+# models, the references and fastest for the families, the stock Trainer (eager and compiled), TRL's SFTTrainer and
+# fastest on natural lengths.
+DEFAULT_STAGES = {
+    "default": [*STAGES, "stock_compiled", "liger", "liger_compiled"],
+    "families": ["stock_compiled", "fastest", "liger", "liger_compiled"],
+    "natural": ["stock", "stock_compiled", "trl_sft", "fastest"],
+}
 
 # Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
 TINY = {
@@ -193,6 +228,14 @@ TINY |= {
     },
     "llama1b": TINY["llama"],
 }
+_TINY_NATURAL = {"shape": ["--wikitext_examples", "paragraphs", "--block_size", "64"], "packed_batch": 4}
+TINY |= {
+    "gpt2nat": {**TINY["gpt2"], **_TINY_NATURAL},
+    "llamanat": {**TINY["llama"], **_TINY_NATURAL},
+    "llama1bnat": {**TINY["llama"], **_TINY_NATURAL},
+    "bertnat": {**TINY["bert"], "shape": ["--max_seq_length", "32"]},
+    "robertanat": {**TINY["roberta"], "shape": ["--max_seq_length", "32"]},
+}
 
 
 def parse_args(argv=None):
@@ -201,18 +244,22 @@ def parse_args(argv=None):
         "--models",
         nargs="+",
         choices=[*MODELS, *SETS],
-        help="models, or a set's name: default (bert gpt2 llama, the default on CUDA; bert gpt2 on CPU) or families "
-        "(roberta qwen3 pythia llama1b: other architectures, and one of over 1B parameters)",
+        help="models, or a set's name: default (bert gpt2 llama, the default on CUDA; bert gpt2 on CPU), families "
+        "(roberta qwen3 pythia llama1b: other architectures, and one of over 1B parameters) or natural (gpt2nat "
+        "llamanat llama1bnat bertnat robertanat: WikiText-2's paragraphs and SST-2's sentences at their natural "
+        "lengths)",
     )
     parser.add_argument(
         "--stages",
         nargs="+",
         choices=ROWS,
-        help="stages, and rows of transformers' own Trainer: stock_compiled (torch_compile, fused AdamW, BF16), "
-        "liger and liger_compiled (the same with use_liger_kernel, eager and compiled; models Liger-Kernel has no "
-        "kernels for are skipped). Default on CUDA: for the default set all eight stages, the seed's ladder, then "
-        "torch_fused, compiled, fastest and auto, then the three stock rows; for the families set the stock rows and "
-        "fastest; on CPU: the seed's ladder",
+        help="stages, and rows of what you would run instead: stock_compiled (transformers' Trainer with "
+        "torch_compile, fused AdamW, BF16), stock (the same, eager), liger and liger_compiled (with use_liger_kernel, "
+        "eager and compiled; models Liger-Kernel has no kernels for are skipped), trl_sft (TRL's SFTTrainer, packing, "
+        "compiled; causal LMs on paragraphs). Default on CUDA: for the default set all eight stages, the seed's "
+        "ladder, then torch_fused, compiled, fastest and auto, then stock_compiled, liger and liger_compiled; for the "
+        "families set those three and fastest; for the natural set stock, stock_compiled, trl_sft and fastest; on "
+        "CPU: the seed's ladder",
     )
     parser.add_argument(
         "--cold_warm",
@@ -316,6 +363,11 @@ def repeats(name: str, stage: str, opts) -> int:
     return max(runs, 2) if opts.cold_warm and compiles(stage) and stage not in REFERENCES else runs
 
 
+def packs(stage: str) -> bool:
+    """Whether a row packs a causal LM's documents into rows of tokens (its batch counts rows, not examples)."""
+    return stage == "trl_sft" or stage in STAGES and STAGES[stage].packing is not None
+
+
 def compiles(stage: str) -> bool:
     return "--torch_compile" in REFERENCES[stage] if stage in REFERENCES else STAGES[stage].torch_compile
 
@@ -323,6 +375,14 @@ def compiles(stage: str) -> bool:
 def why_skipped(name: str, stage: str) -> str | None:
     """Why a Liger row of this model cannot run here: Liger-Kernel not installed, or no kernels for the
     architecture (asked of the installed Liger-Kernel itself)."""
+    if stage == "trl_sft":
+        if MODELS[name]["task"] != "wikitext2":
+            return "TRL's SFTTrainer trains causal LMs; this model classifies"
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            return "trl is not installed (pip install trl)"
+        return None
     if not stage.startswith("liger"):
         return None
     try:
@@ -350,7 +410,13 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
     data = Path(opts.data_dir) if opts.data_dir else None
     tok_dir = data / "tokenizers" / spec["tokenizer"] if data else None
     batch = dict(opts.batch).get(name, tiny["batch"] if opts.tiny else spec["batch"])
+    packed = (tiny if opts.tiny else spec).get("packed_batch")
     steps = opts.steps or spec["steps" if stage in REFERENCES or STAGES[stage].bf16 else "fp32_steps"]
+    samples = (opts.warmup + steps) * batch * nproc  # what the run reads: no time spent tokenizing the rest
+    if packed:  # natural lengths: every row draws from one pool, as large as the packed rows need
+        samples = (opts.warmup + steps) * packed * _ROW_PARAGRAPHS * nproc
+        if packs(stage):
+            batch = dict(opts.batch).get(name, packed)
     args = [
         "--task",
         spec["task"],
@@ -367,8 +433,8 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
         str(batch),
         "--max_steps",
         str(opts.warmup + steps),
-        "--max_train_samples",  # what the run reads: no time spent tokenizing the rest
-        str((opts.warmup + steps) * batch * nproc),
+        "--max_train_samples",
+        str(samples),
         "--metrics_warmup_steps",
         str(opts.warmup),
         "--max_eval_samples",
@@ -607,12 +673,12 @@ def data_source(data_dir: str | None) -> str:
 
 def choose_rows(opts, cuda: bool) -> None:
     """The models (a set's name expanded) and stages to run, the defaults where none are given: on CUDA the default
-    set at every stage and stock row, or the families' default rows when only families are named; on CPU BERT and
-    GPT-2 at the seed's ladder."""
+    set at every stage and its compiled and Liger rows, or the families' or natural set's default rows when only its
+    models are named; on CPU BERT and GPT-2 at the seed's ladder."""
     opts.models = list(dict.fromkeys(m for name in opts.models or [] for m in SETS.get(name, [name])))
     opts.models = opts.models or (SETS["default"] if cuda else ["bert", "gpt2"])
-    families = set(opts.models) <= set(SETS["families"])
-    opts.stages = opts.stages or (DEFAULT_STAGES["families" if families else "default"] if cuda else list(SEED_STAGES))
+    named = next((s for s in ("families", "natural") if set(opts.models) <= set(SETS[s])), "default")
+    opts.stages = opts.stages or (DEFAULT_STAGES[named] if cuda else list(SEED_STAGES))
 
 
 def not_run_text(not_run: dict[str, str]) -> str:

@@ -177,6 +177,9 @@ class BenchRow:
     to_step_10_s: list[float | None] | None = None  # per run: seconds from the start of training to step 10's end
     compile_cache: list[str | None] | None = None  # per run: ApexTrainer's compiled work, "cold", "warm" or "off"
     cold_warm: bool = False  # bench --cold_warm: run 1 started with empty compile caches, run 2 with run 1's
+    padding_share: float | None = None  # of the positions computed (natural lengths); None: not recorded
+    real_tokens_per_step: float | None = None  # real tokens a step on average (tokens/s x the mean step)
+    graphs: tuple[int, int] | None = None  # graphs compiled and CUDA graphs recorded in the run (packing's metrics)
 
 
 def _backend(calls: dict, fallback: bool, profiled_apex: bool) -> str:
@@ -278,6 +281,13 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         seq_len=metrics.get("run", {}).get("seq_len"),
         to_step_10_s=[metrics.get("run", {}).get("to_step_10_s")],
         compile_cache=[(metrics.get("compile_cache") or {}).get("state")],
+        padding_share=metrics.get("padding_share"),
+        real_tokens_per_step=metrics["tokens_per_s"] * step["mean"] / 1e3
+        if metrics.get("tokens_per_s") and step.get("mean")
+        else None,
+        graphs=(batches["compiled_graphs"], batches["cuda_graphs"])
+        if "compiled_graphs" in (batches := metrics.get("batches") or {})
+        else None,
     )
 
 
@@ -288,6 +298,7 @@ def _ratio(a, b):
 # What a user would run instead of hf_apex: transformers' Trainer with torch_compile, fused AdamW and BF16
 # (recipes/bench.py REFERENCES). Every row of a bench that has it gets its speedup against it.
 REFERENCE = "stock_compiled"
+SAME_TOKENS = 0.005  # rows whose real tokens a step differ by less than this compare by step time alone
 
 
 def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
@@ -306,9 +317,13 @@ def add_ratios(rows: list[BenchRow]) -> list[BenchRow]:
             r.loss_delta_vs_baseline = _loss_delta(r, b)
         s = stock.get((r.model, r.world_size))
         if s is not None:
-            r.speedup_vs_stock = _ratio(s.step_time_ms_p50, r.step_time_ms_p50)
+            # Steps of other real tokens (natural lengths: packed rows against padded batches) compare by real
+            # tokens/s: the median step-time ratio times the ratio of real tokens a step, its interval likewise.
+            per_step = _ratio(r.real_tokens_per_step, s.real_tokens_per_step) or 1.0
+            per_step = per_step if abs(per_step - 1) > SAME_TOKENS else 1.0
+            r.speedup_vs_stock = (_ratio(s.step_time_ms_p50, r.step_time_ms_p50) or 0) * per_step or None
             diff = relative_difference(s.timed_steps_ms, r.timed_steps_ms) if r is not s else None
-            r.speedup_vs_stock_ci = (1 + diff["lo"], 1 + diff["hi"]) if diff else None
+            r.speedup_vs_stock_ci = ((1 + diff["lo"]) * per_step, (1 + diff["hi"]) * per_step) if diff else None
             r.memory_vs_stock = _ratio(r.peak_memory_allocated_gib, s.peak_memory_allocated_gib)
         if r.plain_loop_ms_p50:
             r.trainer_overhead = r.step_time_ms_p50 / r.plain_loop_ms_p50 - 1
@@ -436,15 +451,18 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
     row, a GPUs column follows the stage and a last column gives the scaling against 1 process."""
     multi = any(r.world_size > 1 for r in rows)
     stock = any(r.stage == REFERENCE for r in rows)
+    natural = any(r.padding_share for r in rows)  # padding recorded somewhere: its share and the graphs it cost
     head = (
         "| model | stage | "
         + ("GPUs | " if multi else "")
-        + "step ms p50 [95% CI] | tokens/s | speedup | "
-        + (f"vs {REFERENCE} [95% CI], VRAM × | " if stock else "")
+        + ("step ms p50 [95% CI] | real tokens/s | padding | graphs compiled / CUDA | " if natural else "")
+        + ("" if natural else "step ms p50 [95% CI] | tokens/s | ")
+        + "speedup | "
+        + (f"vs {REFERENCE}{' (real tokens/s)' if natural else ''} [95% CI], VRAM × | " if stock else "")
         + "peak VRAM GiB (× base) | MFU | loss Δ vs base | plain loop ms | Trainer overhead [95% CI] | "
         "kernels verified (profiler) |" + (" scaling vs 1 GPU [95% CI] |" if multi else "")
     )
-    rule = "|" + "---|" * (11 + multi * 2 + stock)
+    rule = "|" + "---|" * (11 + multi * 2 + stock + natural * 2)
     lines = [banner, "", head, rule] if banner else [head, rule]
     for r in rows:
         fb = " (fallback)" if r.backend == "fallback" else ""
@@ -452,9 +470,11 @@ def format_table(rows: list[BenchRow], banner: str = "") -> str:
         gpus = f" {r.world_size} |" if multi else ""
         scaling = f" {_scaling_text(r)} |" if multi else ""
         vs_stock = f" {_vs_stock_text(r)} |" if stock else ""
+        graphs = f"{r.graphs[0]} / {r.graphs[1]}" if r.graphs else "–"
+        padding = f" {_f(r.padding_share, '.1%')} | {graphs} |" if natural else ""
         lines.append(
             f"| {r.model} | {r.stage}{fb} |{gpus} {_f(r.step_time_ms_p50, '.1f')}{_interval_text(*ci, '.1f')} | "
-            f"{_f(r.tokens_per_s, ',.0f')} | {_speedup_text(r)} |{vs_stock} "
+            f"{_f(r.tokens_per_s, ',.0f')} |{padding} {_speedup_text(r)} |{vs_stock} "
             f"{_f(r.peak_memory_allocated_gib, '.2f')} ({_f(r.memory_vs_baseline, '.2f')}×) | {_f(r.mfu, '.1%')} | "
             f"{_f(r.loss_delta_vs_baseline, '+.4f')} | {_f(r.plain_loop_ms_p50, '.1f')} | "
             f"{_overhead_text(r)} | {r.kernels_verified} |{scaling}"

@@ -163,6 +163,14 @@ class ScriptArguments:
             "choices": ["blocks", "paragraphs"],
         },
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "The model's attention: sdpa (transformers' default), flex_attention (compiled block-sparse "
+            "masks: a packed run's document masks skip the blocks they mask out) or eager.",
+            "choices": ["sdpa", "flex_attention", "eager"],
+        },
+    )
     save_final_model: bool = field(default=True, metadata={"help": "Save the trained model to --output_dir."})
     trainer: str = field(
         default="apex",
@@ -170,8 +178,10 @@ class ScriptArguments:
             "help": "apex: ApexTrainer at --stage. stock: transformers' own Trainer with hf_apex's "
             "StageMetricsCallback, what you would run instead (set its flags yourself, e.g. --torch_compile true "
             "--optim adamw_torch_fused --bf16 true, and --use_liger_kernel true for Liger-Kernel); it refuses "
-            "--stage and the apex switches.",
-            "choices": ["apex", "stock"],
+            "--stage and the apex switches. trl_sft: TRL's SFTTrainer with its packing (best fit, padding-free: one "
+            "row of the batch's documents with positions restarting per document), the same metrics and your "
+            "TrainingArguments flags; --task wikitext2 --wikitext_examples paragraphs; needs trl.",
+            "choices": ["apex", "stock", "trl_sft"],
         },
     )
     overwrite_output_dir: bool = field(
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise InputError(one_line(exc)) from exc
     setup_logging()
     check_args(script_args)
-    if script_args.trainer == "stock":
+    if script_args.trainer != "apex":
         check_stock_args(training_args)
     try:  # environment problems (no GPU, no apex kernels under strict mode) before any data or model loads
         validate_apex_args(training_args)
@@ -213,7 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
     # stock Trainer and the same metrics
     trainer_cls, extra = ApexTrainer, {}
     if script_args.trainer == "stock":
-        trainer_cls, extra = transformers.Trainer, {"callbacks": stock_callbacks(training_args)}
+        trainer_cls, extra = transformers.Trainer, {"callbacks": stock_callbacks(training_args, "stock")}
+    if script_args.trainer == "trl_sft":  # TRL packs the documents and makes its own collator
+        trainer_cls, extra = sft_trainer(), {"callbacks": stock_callbacks(training_args, "trl_sft")}
+        training_args, collator = sft_config(training_args), None
     trainer = trainer_cls(
         **extra,
         model=model,
@@ -264,6 +277,8 @@ def check_args(args: ScriptArguments) -> None:
         raise InputError("Give exactly one of --model_name_or_path (pretrained) or --model_type (from scratch).")
     if args.model_type is not None and args.tokenizer_name is None:
         raise InputError("--model_type trains from scratch and needs --tokenizer_name (a hub id or a local folder).")
+    if args.trainer == "trl_sft" and (args.task, args.wikitext_examples) != ("wikitext2", "paragraphs"):
+        raise InputError("--trainer trl_sft fine-tunes on documents: --task wikitext2 --wikitext_examples paragraphs.")
     if args.wikitext_examples != "blocks" and args.task != "wikitext2":
         raise InputError(f"--wikitext_examples {args.wikitext_examples} applies to --task wikitext2 only.")
     if args.config_overrides is not None and args.model_type is None:
@@ -311,17 +326,44 @@ def check_stock_args(training_args: ApexTrainingArguments) -> None:
         raise InputError(f"{flags}: apex switches, which the stock Trainer ignores; drop them or use --trainer apex.")
 
 
-def reference_name(training_args) -> str:
-    """What a stock run is called in the metrics and the bench: stock or liger (use_liger_kernel), + _compiled."""
+def reference_name(training_args, trainer: str = "stock") -> str:
+    """What a stock run is called in the metrics and the bench: stock or liger (use_liger_kernel), + _compiled; TRL's
+    SFTTrainer: trl_sft (compiled, as the bench runs it), else trl_sft_eager."""
+    if trainer == "trl_sft":
+        return "trl_sft" + ("" if training_args.torch_compile else "_eager")
     name = "liger" if training_args.use_liger_kernel else "stock"
     return name + ("_compiled" if training_args.torch_compile else "")
 
 
-def stock_callbacks(training_args) -> list:
+def sft_trainer():
+    """TRL's SFTTrainer, or an InputError that says how to get it."""
+    try:
+        from trl import SFTTrainer
+    except ImportError as exc:
+        raise InputError(f"--trainer trl_sft needs TRL: pip install trl ({exc}).") from exc
+    return SFTTrainer
+
+
+def sft_config(training_args):
+    """An SFTConfig with the parsed TrainingArguments flags, packing the documents into rows of --block_size tokens
+    (TRL's best-fit packing, padding-free)."""
+    from trl import SFTConfig
+
+    fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
+    stock = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    given = {
+        k: v for k, v in training_args.to_dict().items() if k in stock and k in fields and not k.endswith("_token")
+    }
+    given["accelerator_config"] = training_args.accelerator_config.to_dict()
+    length = training_args.packing_length
+    return SFTConfig(**given, packing=True, max_length=length, dataset_kwargs={})
+
+
+def stock_callbacks(training_args, trainer: str) -> list:
     if not training_args.stage_metrics:
         return []
     callback = StageMetricsCallback(
-        stage=reference_name(training_args),
+        stage=reference_name(training_args, trainer),
         warmup_steps=training_args.metrics_warmup_steps,
         peak_tflops=training_args.peak_tflops,
         profile_kernels=training_args.profile_kernels,
@@ -451,6 +493,8 @@ def load_model(args: ScriptArguments, tokenizer, resume: Checkpoint | None = Non
     extra = {"num_labels": 2} if args.task == "sst2" else {}
     if args.model_name_or_path is not None:
         name = args.model_name_or_path
+        if args.attn_implementation:
+            extra["attn_implementation"] = args.attn_implementation
         model = hub_call(f"model {name!r}", auto_cls.from_pretrained, name, dtype=torch.float32, **extra)
     else:
         config = AutoConfig.for_model(args.model_type, **extra)
@@ -460,7 +504,10 @@ def load_model(args: ScriptArguments, tokenizer, resume: Checkpoint | None = Non
         if len(tokenizer) > config.vocab_size:
             changes.append(f"vocab_size={len(tokenizer)} (the tokenizer's)")
             config.vocab_size = len(tokenizer)
-        model = auto_cls.from_config(config)
+        try:
+            model = auto_cls.from_config(config, attn_implementation=args.attn_implementation)
+        except ValueError as exc:  # an attention implementation the architecture does not take
+            raise InputError(f"--attn_implementation {args.attn_implementation}: {one_line(exc)}") from exc
         if resume is None:
             logger.warning(
                 "Training %s FROM SCRATCH (random init): %.1fM parameters, its default config%s.",

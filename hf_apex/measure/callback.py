@@ -25,7 +25,7 @@ from .. import distributed
 from ..kernels import trace
 from .flops import lookup_peak_tflops, model_shape
 from .report import GIB, process_age_s, rates, run_summary, summary_lines, write_metrics_file
-from .steps import BatchCounter, StepRecord, StepTimer, merge_ranks, resolve_tokens
+from .steps import BatchCounter, StepRecord, StepTimer, compiled_graphs, merge_ranks, resolve_tokens
 
 logger = logging.getLogger("hf_apex")
 
@@ -71,6 +71,7 @@ class StageMetricsCallback(TrainerCallback):
         self._first_step_at: float | None = None  # host time when the first step began
         self._startup_s: float | None = None
         self._warmup_floor = 0  # this run's warm-up lasts this long at least (hold_warmup)
+        self._graphs_at_start = compiled_graphs()  # (reset with the run: graphs compiled and recorded before it)
         self.kernels_verified: dict | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -185,6 +186,14 @@ class StageMetricsCallback(TrainerCallback):
             return self.peak_tflops
         return lookup_peak_tflops(torch.cuda.get_device_name()) if self._cuda else None
 
+    def _batches(self, args) -> dict:
+        """The shapes the run trained on and, where it compiles, the graphs compiled and CUDA graphs recorded."""
+        out = {"shapes_trained": [list(s) for s in self.batch_shapes]}
+        if getattr(args, "torch_compile", False):
+            (graphs, cuda_graphs), (graphs_0, cuda_graphs_0) = compiled_graphs(), self._graphs_at_start
+            out["compiled_graphs"], out["cuda_graphs"] = graphs - graphs_0, max(cuda_graphs - cuda_graphs_0, 0)
+        return out
+
     def count_real_tokens(self, tokens: int) -> None:
         """The next training micro-batch's real tokens, counted on the host (a packed batch's: ``hf_apex.data``)."""
         self._counter.give(tokens)
@@ -236,6 +245,7 @@ class StageMetricsCallback(TrainerCallback):
             logger.warning("hf_apex: every step was a warm-up step; the summary times all %d steps.", len(self.steps))
             timed = [r for r in self.steps if r.index != profiled] or self.steps
         sections = dict(self.extra() if callable(self.extra) else self.extra)
+        sections["batches"] = {**sections.get("batches", {}), **self._batches(args)}
         model = self._model
         sections.setdefault("model", {})
         sections["model"] = {

@@ -25,36 +25,9 @@ def norms_in_graphs(trainer) -> str:
     return "stock torch op inside the compiled graph (Inductor)"
 
 
-def compiled_graphs() -> tuple[int, int]:
-    """The graphs this process has compiled (Dynamo's count) and the CUDA graphs torch's cudagraph trees hold on the
-    current GPU (0 without one)."""
-    from torch._dynamo.utils import counters
-
-    graphs = int(counters["stats"]["unique_graphs"])
-    if not torch.cuda.is_available():
-        return graphs, 0
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    nodes = list(manager.get_roots()) if manager is not None and manager.roots is not None else []
-    recorded = 0
-    while nodes:
-        node = nodes.pop()
-        recorded += 1
-        nodes.extend(child for children in node.children.values() for child in children)
-    return graphs, recorded
-
-
 def batches_section(trainer) -> dict:
-    """The run's batch layout (``packing``), the shapes it trained on, and the graphs compiled and recorded for it."""
-    section = dict(trainer.batches.report) if trainer.batches is not None else {"layout": "off"}
-    if trainer.stage_metrics is not None:
-        section["shapes_trained"] = [list(s) for s in trainer.stage_metrics.batch_shapes]
-    if trainer._graphs_at_start is not None and trainer.args.torch_compile:
-        (graphs, cuda_graphs), (graphs_0, cuda_graphs_0) = compiled_graphs(), trainer._graphs_at_start
-        section["compiled_graphs"] = graphs - graphs_0
-        section["cuda_graphs"] = max(cuda_graphs - cuda_graphs_0, 0)
-    return section
+    """The run's batch layout (``packing``): what was packed or bucketed, and why."""
+    return dict(trainer.batches.report) if trainer.batches is not None else {"layout": "off"}
 
 
 def trainer_sections(trainer) -> dict:
