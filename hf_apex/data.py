@@ -25,6 +25,7 @@ the same order (the Trainer's sampler restores its place).
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import math
 import re
@@ -254,6 +255,40 @@ class Batches:
     collator: object
     sampling: str | None
     report: dict
+
+    def arguments(self, args):
+        """``args``, or a copy that samples the training set as this layout needs (buckets: grouped by length)."""
+        if not self.sampling or args.train_sampling_strategy == self.sampling:
+            return args
+        args = copy.copy(args)
+        args.train_sampling_strategy = self.sampling
+        return args
+
+
+def default_collator(processing_class):
+    """The collator ``Trainer`` takes when given none: padding with the tokenizer, else ``default_data_collator``."""
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    if processing_class is not None and hasattr(processing_class, "pad"):
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
+def for_run(args, model, train_dataset, eval_dataset, collator, processing_class) -> Batches | None:
+    """The batches of a run whose arguments ask for a layout (``args.packing``), else None. Without a collator of
+    yours, the one ``Trainer`` would take."""
+    if getattr(args, "packing", None) in (None, "off"):
+        return None
+    return arrange(
+        args.packing,
+        model,
+        train_dataset,
+        eval_dataset,
+        collator or default_collator(processing_class),
+        rows=args.per_device_train_batch_size,
+        length=args.packing_length,
+        pad_token_id=getattr(processing_class, "pad_token_id", None),
+    )
 
 
 def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, length=None, pad_token_id=None) -> Batches:

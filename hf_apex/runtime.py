@@ -72,15 +72,6 @@ class DropFullAttentionMask:
         return f"DropFullAttentionMask({self.collator!r})"
 
 
-def default_collator(processing_class):
-    """The collator ``Trainer`` takes when given none: padding with the tokenizer, else ``default_data_collator``."""
-    from transformers import DataCollatorWithPadding, default_data_collator
-
-    if processing_class is not None and hasattr(processing_class, "pad"):
-        return DataCollatorWithPadding(processing_class)
-    return default_data_collator
-
-
 def accelerate_settings(accelerator) -> tuple:
     """The settings accelerate keeps for the whole process (its ``AcceleratorState``): precision and compilation."""
     state = accelerator.state

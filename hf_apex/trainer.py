@@ -93,23 +93,10 @@ class ApexTrainer(Trainer):
         self._deferred_calls: dict | None = None  # while it is written: the kernel call counts at its own step
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
         # The batches' layout (packing): decided on the data and the model before anything counts the steps.
-        self.batches: data.Batches | None = None
-        if isinstance(args, ApexTrainingArguments) and args.packing not in (None, "off"):
-            self.batches = data.arrange(
-                args.packing,
-                model,
-                train_dataset,
-                eval_dataset,
-                data_collator or runtime.default_collator(processing_class),
-                rows=args.per_device_train_batch_size,
-                length=args.packing_length,
-                pad_token_id=getattr(processing_class, "pad_token_id", None),
-            )
+        self.batches = data.for_run(args, model, train_dataset, eval_dataset, data_collator, processing_class)
+        if self.batches is not None:
             train_dataset, eval_dataset = self.batches.train_dataset, self.batches.eval_dataset
-            data_collator = self.batches.collator
-            if self.batches.sampling:
-                args = copy.copy(args)
-                args.train_sampling_strategy = self.batches.sampling
+            args, data_collator = self.batches.arguments(args), self.batches.collator
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
         self._payback_key = self.compile_payback = None  # what compiling repays here (compiled.compile_payback)
         if isinstance(args, ApexTrainingArguments) and args.torch_compile and not policy.graphs_without_gpu(args):
