@@ -158,7 +158,8 @@ MODELS |= {
 # 5 (2 for the 1.24B model), the same GPU work a step. The encoders train on SST-2's sentences padded per batch
 # (transformers' DataCollatorWithPadding), 128 to a batch as in the default set. The figure of merit is real tokens/s.
 _ROW_PARAGRAPHS = 8  # a packed row of 1,024 tokens holds ~7 paragraphs: the pool every natural row draws from
-# 1,000 timed steps (100 for the 1.24B model): what the shapes of a long run cost, recompilations included.
+# GPT-2's and BERT's rows time 1,000 steps, what the shapes of a long run cost, recompilations included; the 124M
+# Llama and RoBERTa 300, the 1.24B model 100.
 _NATURAL_LM = {
     "shape": ["--wikitext_examples", "paragraphs", "--block_size", "1024"],
     "packed_batch": 5,
@@ -169,10 +170,10 @@ _NATURAL_LM = {
 _NATURAL_ENCODER = {"shape": ["--max_seq_length", "128"], "repeats": 1, "repeat_stages": (), "steps": 1000}
 MODELS |= {
     "gpt2nat": {**MODELS["gpt2"], **_NATURAL_LM},
-    "llamanat": {**MODELS["llama"], **_NATURAL_LM},
+    "llamanat": {**MODELS["llama"], **_NATURAL_LM, "steps": 300},
     "llama1bnat": {**MODELS["llama1b"], **_NATURAL_LM, "batch": 8, "packed_batch": 2, "steps": 100},
     "bertnat": {**MODELS["bert"], **_NATURAL_ENCODER},
-    "robertanat": {**MODELS["roberta"], **_NATURAL_ENCODER},
+    "robertanat": {**MODELS["roberta"], **_NATURAL_ENCODER, "steps": 300},
 }
 # --models takes a set's name too; `make bench` runs the default set.
 SETS = {
