@@ -981,9 +981,9 @@ def test_the_stock_rows_run_transformers_trainer_with_their_flags_and_no_stage()
     for row, flags in bench.REFERENCES.items():
         args = bench.finetune_args("llama", row, opts, Path("out"))
         assert "--stage" not in args and "--stage_recipe" not in args
-        assert args[args.index("--trainer") + 1] == "stock"
+        assert args[args.index("--trainer") + 1] == ("trl_sft" if row == "trl_sft" else "stock")
         assert " ".join(flags) in " ".join(args)
-        assert ("--torch_compile" in args) == row.endswith("compiled") == bench.compiles(row)
+        assert ("--torch_compile" in args) == (row.endswith("compiled") or row == "trl_sft") == bench.compiles(row)
         assert ("--use_liger_kernel" in args) == row.startswith("liger")
     stage_args = bench.finetune_args("llama", "fastest", opts, Path("out"))
     assert stage_args[stage_args.index("--stage") + 1] == "fastest" and "--trainer" not in stage_args
@@ -995,7 +995,8 @@ def test_the_families_set_and_its_default_rows():
         bench.choose_rows(opts, cuda)
         return opts.models, opts.stages
 
-    assert rows("") == (["bert", "gpt2", "llama"], bench.ROWS)  # all eight stages, then the stock rows
+    default_rows = [*bench.STAGES, "stock_compiled", "liger", "liger_compiled"]
+    assert rows("") == (["bert", "gpt2", "llama"], default_rows)  # all eight stages, then the stock rows
     assert rows("", cuda=False) == (["bert", "gpt2"], list(bench.SEED_STAGES))
     families = ["roberta", "qwen3", "pythia", "llama1b"]
     assert rows("--models families") == (families, ["stock_compiled", "fastest", "liger", "liger_compiled"])
@@ -1004,8 +1005,45 @@ def test_the_families_set_and_its_default_rows():
         rows("--models families")[1],
     )
     assert rows("--models families gpt2 --stages fastest") == ([*families, "gpt2"], ["fastest"])
-    assert rows("--models default families")[1] == bench.ROWS
-    assert set(bench.SETS["families"]) | set(bench.SETS["default"]) == set(bench.MODELS) == set(bench.TINY)
+    assert rows("--models default families")[1] == default_rows
+    natural = ["gpt2nat", "llamanat", "llama1bnat", "bertnat", "robertanat"]
+    assert rows("--models natural") == (natural, ["stock", "stock_compiled", "trl_sft", "fastest"])
+    assert set().union(*bench.SETS.values()) == set(bench.MODELS) == set(bench.TINY)
+
+
+def test_natural_rows_pad_or_pack_the_same_pool_of_examples():
+    opts = bench.parse_args(["--steps", "20"])
+    opts.warmup, opts.tiny = 10, False
+
+    def flags(model, row):
+        args = bench.finetune_args(model, row, opts, Path("out"))
+        return {f: args[args.index(f) + 1] for f in ("--per_device_train_batch_size", "--max_train_samples")}, args
+
+    padded, args = flags("gpt2nat", "stock_compiled")
+    packed, packed_args = flags("gpt2nat", "fastest")
+    assert padded["--per_device_train_batch_size"] == "16" and packed["--per_device_train_batch_size"] == "5"
+    assert padded["--max_train_samples"] == packed["--max_train_samples"] == str(30 * 5 * 8)  # one pool
+    assert "paragraphs" in args and "paragraphs" in packed_args and "--pad_to_max_length" not in args
+    assert flags("gpt2nat", "trl_sft")[0]["--per_device_train_batch_size"] == "5"  # TRL packs rows too
+    assert flags("bertnat", "fastest")[0]["--per_device_train_batch_size"] == "128"  # buckets: examples
+    assert "--pad_to_max_length" not in flags("bertnat", "stock")[1]
+    assert bench.why_skipped("bertnat", "trl_sft") == "TRL's SFTTrainer trains causal LMs; this model classifies"
+
+
+def test_rows_of_other_real_tokens_a_step_compare_by_real_tokens_per_second():
+    def natural(stage, p50, tokens_per_step, padding):
+        m = _metrics(stage, p50, 5.0, [2.0] * 5, {}, {"apex": {}})
+        m["step_time_ms"]["mean"] = p50
+        m["tokens_per_s"], m["padding_share"] = tokens_per_step / p50 * 1e3, padding
+        m["batches"] = {"compiled_graphs": 1, "cuda_graphs": 2}
+        return row_from_metrics("gpt2nat", m)
+
+    stock, packed = natural("stock_compiled", 20.0, 2400, 0.54), natural("fastest", 15.0, 5000, 0.02)
+    add_ratios([stock, packed])
+    # the same step-time ratio (20 / 15) would say 1.33x: the packed step also holds 5000 / 2400 of the real tokens
+    assert packed.speedup_vs_stock == pytest.approx(20 / 15 * 5000 / 2400)
+    table = format_table([stock, packed])
+    assert "vs stock_compiled (real tokens/s)" in table and "| 2.0% | 1 / 2 |" in table
 
 
 def test_liger_rows_are_skipped_where_liger_has_no_kernels_and_their_failures_are_findings(

@@ -130,6 +130,30 @@ def test_wikitext2_on_real_data(real_slices, tmp_path):
     assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0  # CPU: the fallback is stated
 
 
+@require_shared_data
+def test_wikitext2_paragraphs_pad_per_batch_or_pack_into_rows(real_slices, tmp_path):
+    """Paragraphs of their natural lengths: the stock Trainer pads each batch to its longest, ApexTrainer packs them
+    into rows of --block_size tokens (one shape, almost no padding), both counting real tokens alike."""
+    tok = SHARED_DATA / "tokenizers" / "gpt2"
+    common = ["--wikitext_examples", "paragraphs", "--block_size", "128", "--max_steps", "3"]
+    finetune.main(recipe_args("wikitext2", real_slices, tok, tmp_path / "pad", *common, "--trainer", "stock"))
+    finetune.main(recipe_args("wikitext2", real_slices, tok, tmp_path / "pack", *common, "--packing", "documents"))
+    padded, packed = metrics_of(tmp_path / "pad"), metrics_of(tmp_path / "pack")
+    assert padded["padding_share"] > 0.15  # (at 128 tokens many paragraphs are cut: the batches pad less)
+    assert packed["batches"]["layout"] == "documents" and packed["batches"]["row_length"] == 128
+    assert packed["batches"]["shapes_trained"] == [[4, 128]] and packed["padding_share"] < 0.1
+    assert packed["data"]["train_examples"] < padded["data"]["train_examples"]  # rows, each of several paragraphs
+    assert packed["eval"]["eval_perplexity"] > 1
+
+
+def test_an_attention_the_architecture_lacks_is_one_line(word_tokenizer):
+    args = finetune.ScriptArguments(
+        task="wikitext2", model_type="gpt2", tokenizer_name=str(word_tokenizer), attn_implementation="flex_attention"
+    )
+    with pytest.raises(finetune.InputError, match="--attn_implementation flex_attention: GPT2LMHeadModel does not"):
+        finetune.load_model(args, finetune.load_tokenizer(args))
+
+
 def docstring_commands(header: str) -> list[list[str]]:
     """The commands under the comment of finetune.py's docstring that starts with ``header``, up to the blank line
     that ends them, as argument lists."""
