@@ -142,7 +142,7 @@ def test_wikitext2_paragraphs_pad_per_batch_or_pack_into_rows(real_slices, tmp_p
     assert padded["padding_share"] > 0.15  # (at 128 tokens many paragraphs are cut: the batches pad less)
     assert packed["batches"]["layout"] == "documents" and packed["batches"]["row_length"] == 128
     assert packed["batches"]["shapes_trained"] == [[4, 128]] and packed["padding_share"] < 0.1
-    assert packed["data"]["train_examples"] < padded["data"]["train_examples"]  # rows, each of several paragraphs
+    assert packed["batches"]["documents"] == padded["data"]["train_examples"]  # the same paragraphs, in rows
     assert packed["eval"]["eval_perplexity"] > 1
 
 
