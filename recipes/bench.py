@@ -153,8 +153,8 @@ MODELS |= {
 # The natural set (--models natural): the same models on data of its natural lengths, what fine-tuning sees. The causal
 # LMs train on WikiText-2's paragraphs (15,569 lines of over 80 characters, 148 GPT-2 tokens on average, 815 at most),
 # 16 to a batch padded to its longest (8 for the 1.24B model), by transformers' language-modelling collator: 46 % of
-# the positions are real tokens, about 5,200 a step (sampled from the lines: benchmarks/reports/natural-lengths.md). A row
-# that packs them (fastest; TRL's SFTTrainer) takes rows of 1,024 tokens, as many as the padded batch's positions:
+# the positions are real tokens, about 5,200 a step (sampled: benchmarks/reports/natural-lengths.md). A row that
+# packs them (fastest; TRL's SFTTrainer) takes rows of 1,024 tokens, as many as the padded batch's positions:
 # 5 (2 for the 1.24B model), the same GPU work a step. The encoders train on SST-2's sentences padded per batch
 # (transformers' DataCollatorWithPadding), 128 to a batch as in the default set. The figure of merit is real tokens/s.
 _ROW_PARAGRAPHS = 8  # a packed row of 1,024 tokens holds ~7 paragraphs: the pool every natural row draws from
