@@ -27,11 +27,14 @@ from __future__ import annotations
 import bisect
 import copy
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
 
 import torch
+
+logger = logging.getLogger("hf_apex")
 
 LAYOUTS = ("off", "documents", "buckets", "auto")
 REAL_TOKENS = "num_real_tokens"  # the batch's real (non-padding) tokens, an int: taken out before the forward
@@ -222,6 +225,18 @@ def take_real_tokens(inputs):
     return inputs, int(inputs.pop(REAL_TOKENS))
 
 
+def replaces(collator) -> str | None:
+    """Why packing documents would drop something ``collator`` does (None: it only pads, as the packed rows do
+    without it): a collator of yours may make labels (a completion-only mask) or other inputs."""
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, default_data_collator
+
+    if collator is None or collator is default_data_collator or type(collator) is DataCollatorWithPadding:
+        return None
+    if type(collator) is DataCollatorForLanguageModeling and not collator.mlm:
+        return None
+    return f"the collator {type(collator).__name__} may do more than pad, which packed rows would leave out"
+
+
 def packs_documents(model) -> str | None:
     """Why ``model`` cannot train on packed documents, or None when it can: a transformers causal LM (PEFT's wrapper
     looked through) whose masks come from transformers' masking utilities, which read documents from the position
@@ -312,13 +327,17 @@ def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, lengt
         if len(set(sizes)) <= 1:
             why = f"every training example has {sizes[0] if sizes else 0} tokens: no padding to remove"
             return dataclasses.replace(off, report={"layout": "off", "why": why})
-        blocker = packs_documents(model)
+        if model is None:
+            return dataclasses.replace(off, report={"layout": "off", "why": "no model yet (model_init)"})
+        blocker = packs_documents(model) or replaces(collator)
         layout = "documents" if blocker is None else "buckets"
         why = "a causal LM: documents packed" if blocker is None else f"buckets: {blocker}"
     else:
         why = "asked for"
         if layout == "documents" and (blocker := packs_documents(model)):
             raise ValueError(f"packing='documents': {blocker}; use packing='buckets'")
+        if layout == "documents" and (blocker := replaces(collator)):
+            logger.warning("hf_apex: packing='documents': %s; the packed rows' labels come from the dataset.", blocker)
     if layout == "documents":
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1024
         length = length or min(positions, 1024)

@@ -339,3 +339,15 @@ def test_an_encoder_trains_on_buckets_in_at_most_one_shape_per_bucket(tmp_path):
     assert widths <= set(metrics["batches"]["buckets"]) and len(widths) <= len(metrics["batches"]["buckets"])
     assert sum(s.tokens for s in trainer.stage_metrics.steps) == sum(map(len, docs))
     assert metrics["padding_share"] < 0.5  # grouped by length: far less than a random batch's padding
+
+
+def test_auto_leaves_a_collator_that_may_do_more_than_pad_in_place():
+    class CompletionOnly:  # a collator of yours: it makes the labels, which packing would not
+        def __call__(self, features):
+            return features
+
+    lm, docs = tiny_model("gpt2"), Examples(documents())
+    batches = arrange("auto", lm, docs, None, CompletionOnly(), rows=2)
+    assert batches.layout == "buckets" and "CompletionOnly may do more than pad" in batches.report["why"]
+    assert arrange("auto", lm, docs, None, DataCollatorWithPadding(object()), rows=2).layout == "documents"
+    assert arrange("auto", None, docs, None, None, rows=2).layout == "off"  # (model_init: no model to ask yet)
