@@ -117,5 +117,7 @@ def test_fastest_buckets_an_encoder_within_one_graph_set_per_bucket(tmp_path):
     shapes = buckets["batches"]["shapes_trained"]
     assert {s[1] for s in shapes} <= set(buckets["batches"]["buckets"])
     assert buckets["batches"]["compiled_graphs"] <= len(shapes) * fixed["batches"]["compiled_graphs"]
-    assert buckets["batches"]["cuda_graphs"] <= len(shapes) * fixed["batches"]["cuda_graphs"]
+    # CUDA graphs: the first shape's under the static graph Dynamo compiles first, then every shape's under the
+    # dynamic one it compiles at the second (on an H100: 10 for 4 shapes, 2 a shape)
+    assert buckets["batches"]["cuda_graphs"] <= (len(shapes) + 1) * fixed["batches"]["cuda_graphs"]
     assert buckets["padding_share"] < 0.35
