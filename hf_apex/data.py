@@ -2,8 +2,8 @@
 
 Fine-tuning data comes in natural lengths. Padded per batch to its longest example, as the stock collators do, half
 to nine tenths of what a step computes is padding, and every new batch length is a new shape, which ``torch.compile``
-compiles again and CUDA graphs record again. Two layouts remove most of it, each run-time choice of
-``ApexTrainingArguments.packing``:
+compiles again and CUDA graphs record again. Two layouts remove most of it (``ApexTrainingArguments.packing``;
+``"auto"`` picks one by the model and the data):
 
 - ``"documents"`` (causal LMs): the examples are packed, best fit decreasing, into rows of ``packing_length``
   tokens (:func:`pack_documents`); each batch is ``per_device_train_batch_size`` such rows, always the same shape
@@ -15,7 +15,8 @@ compiles again and CUDA graphs record again. Two layouts remove most of it, each
   are ignored.
 - ``"buckets"`` (encoders, per-example losses): batches of examples of similar length (transformers'
   ``group_by_length`` sampler), each padded to the shortest of a few lengths that holds it (:func:`bucket_lengths`,
-  :class:`BucketCollator`): at most one compiled shape per bucket.
+  :class:`BucketCollator`): a few shapes, which Dynamo compiles as one static graph and one dynamic one, and CUDA
+  graphs record once each.
 
 Both count the batch's real tokens on the host (``REAL_TOKENS``, taken out of the batch before the model sees it) for
 the metrics' real tokens/s. Everything here is deterministic, so a run resumed from a checkpoint sees the same rows in
