@@ -46,7 +46,9 @@ if m.is_file():
         p50=round(d["step_time_ms"]["p50"], 2),
         p20=round(d["step_time_ms"]["p20"], 2),
         p80=round(d["step_time_ms"]["p80"], 2),
-        tok_s=round(d["tokens_per_s"]),
+        tok_s=round(d["tokens_per_s"]),  # real (non-padding) tokens
+        padding=d.get("padding_share"),
+        batches=d.get("batches"),
         mfu=d["mfu"],
         mem=round(d["peak_memory_allocated_gib"], 2),
         first_ms=round(d["run"]["first_step_ms"]),
