@@ -277,8 +277,7 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         steps=metrics.get("run", {}).get("steps"),
         timed_steps_ms=as_runs(timed),
         plain_loop_timed_steps_ms=as_runs(plain_timed),
-        batch_size=metrics.get("run", {}).get("per_device_train_batch_size"),
-        seq_len=metrics.get("run", {}).get("seq_len"),
+        **_largest_batch(metrics),
         to_step_10_s=[metrics.get("run", {}).get("to_step_10_s")],
         compile_cache=[(metrics.get("compile_cache") or {}).get("state")],
         padding_share=metrics.get("padding_share"),
@@ -289,6 +288,18 @@ def row_from_metrics(model: str, metrics: dict, plain: dict | None = None) -> Be
         if "compiled_graphs" in (batches := metrics.get("batches") or {})
         else None,
     )
+
+
+def _largest_batch(metrics: dict) -> dict:
+    """``batch_size`` and ``seq_len`` of the largest batch a run trained on: its shapes where the metrics list them
+    (a padding-free collator flattens a batch into one row: 5 examples in 1 x 5,120), else the arguments' batch
+    size and the longest sequence."""
+    shapes = (metrics.get("batches") or {}).get("shapes_trained")
+    if shapes and all(len(s) == 2 for s in shapes):
+        rows, length = max(shapes, key=lambda s: s[0] * s[1])
+        return {"batch_size": rows, "seq_len": length}
+    run = metrics.get("run") or {}
+    return {"batch_size": run.get("per_device_train_batch_size"), "seq_len": run.get("seq_len")}
 
 
 def _ratio(a, b):

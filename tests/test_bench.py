@@ -1046,6 +1046,17 @@ def test_rows_of_other_real_tokens_a_step_compare_by_real_tokens_per_second():
     assert "vs stock_compiled (real tokens/s)" in table and "| 2.0% | 1 / 2 |" in table
 
 
+def test_a_rows_batch_is_the_largest_shape_it_trained_on():
+    # TRL's padding-free collator flattens 5 packed examples into one row: the table says 1x5120, not 5x5120
+    m = _metrics("trl_sft", 39.0, 3.8, [2.0] * 5, {}, {"apex": {}})
+    m["run"] = {"per_device_train_batch_size": 5, "seq_len": 5120}
+    m["batches"] = {"shapes_trained": [[1, 4236], [1, 5120], [1, 5084]], "compiled_graphs": 9, "cuda_graphs": 0}
+    row = row_from_metrics("llamanat", m)
+    assert (row.batch_size, row.seq_len) == (1, 5120)
+    del m["batches"]  # metrics without the shapes: the arguments' batch size and the longest sequence
+    assert (row_from_metrics("llamanat", m).batch_size, row_from_metrics("llamanat", m).seq_len) == (5, 5120)
+
+
 def test_liger_rows_are_skipped_where_liger_has_no_kernels_and_their_failures_are_findings(
     tmp_path, monkeypatch, capsys
 ):
