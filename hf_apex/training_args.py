@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -296,7 +297,12 @@ class ApexTrainingArguments(TrainingArguments):
             self.accelerator_config = {"non_blocking": True}  # asynchronous copies from pinned memory
         refuse_accumulation_under_cuda_graphs(self)  # (before super(), which sets up the device and processes)
         refuse_bf16_stage_without_device(self)  # (transformers' own refusal names neither the stage nor FP32)
-        super().__post_init__()  # (turns JSON strings of the dict fields into dicts)
+        if isinstance(self.stage_recipe, str):  # (super() would parse it, in an error that names no argument)
+            try:
+                self.stage_recipe = json.loads(self.stage_recipe)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"stage_recipe is not a JSON object ({exc}): {self.stage_recipe!r}") from None
+        super().__post_init__()  # (turns JSON strings of the other dict fields into dicts)
         self.stage_recipe = self._resolve_recipe().to_dict()
         if self.attention_backend not in (None, *ATTENTION_CHOICES):
             raise ValueError(

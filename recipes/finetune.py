@@ -391,6 +391,8 @@ def check_output_dir(args: ScriptArguments, training_args: ApexTrainingArguments
             why = f"holds checkpoints, the last is {inner}" if inner else "no readable trainer_state.json"
             raise InputError(f"--resume_from_checkpoint {resume}: not a Trainer checkpoint ({why}).")
         return Checkpoint(resume, step)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InputError(f"--output_dir {out}: a file, not a folder; give a folder to write the run into.")
     last = get_last_checkpoint(out) if os.path.isdir(out) else None
     if last is not None and not args.overwrite_output_dir:
         raise InputError(
@@ -506,8 +508,9 @@ def load_model(args: ScriptArguments, tokenizer, resume: Checkpoint | None = Non
             config.vocab_size = len(tokenizer)
         try:
             model = auto_cls.from_config(config, attn_implementation=args.attn_implementation)
-        except ValueError as exc:  # an attention implementation the architecture does not take
-            raise InputError(f"--attn_implementation {args.attn_implementation}: {one_line(exc)}") from exc
+        except ValueError as exc:  # a config the architecture cannot build, or an attention it does not take
+            given = [f"--{k} {v}" for k, v in vars(args).items() if k in ("config_overrides", "attn_implementation") and v]
+            raise InputError(f"{' with '.join(given) or f'--model_type {args.model_type}'}: {one_line(exc)}") from exc
         if resume is None:
             logger.warning(
                 "Training %s FROM SCRATCH (random init): %.1fM parameters, its default config%s.",

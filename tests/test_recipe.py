@@ -154,6 +154,22 @@ def test_an_attention_the_architecture_lacks_is_one_line(word_tokenizer):
         finetune.load_model(args, finetune.load_tokenizer(args))
 
 
+def test_an_override_the_architecture_cannot_build_is_one_line_naming_the_flag(word_tokenizer):
+    args = finetune.ScriptArguments(
+        task="wikitext2", model_type="gpt2", tokenizer_name=str(word_tokenizer), config_overrides="n_embd=250,n_head=4"
+    )
+    with pytest.raises(finetune.InputError, match=r"^--config_overrides n_embd=250,n_head=4: .*250.*4"):
+        finetune.load_model(args, finetune.load_tokenizer(args))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_data_loads(word_tokenizer, tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    with pytest.raises(finetune.InputError, match="a file, not a folder"):  # (before the missing data is noticed)
+        finetune.main(recipe_args("sst2", tmp_path / "no-such-data", word_tokenizer, out))
+    assert out.read_text() == "mine"
+
+
 def docstring_commands(header: str) -> list[list[str]]:
     """The commands under the comment of finetune.py's docstring that starts with ``header``, up to the blank line
     that ends them, as argument lists."""

@@ -134,6 +134,7 @@ def test_a_stage_owns_its_recipe_and_yours_overrides_single_entries():
         ({"min_steps": -1}, "min_steps must be an integer >= 0"),
         ({"turbo": True}, r"unknown entries \['turbo'\]; its entries are \['min_steps'"),
         ("[1, 2]", "stage_recipe must be a dict"),
+        ("{bad json", r"stage_recipe is not a JSON object \(Expecting property name"),  # (the CLI's form, mistyped)
     ],
 )
 def test_a_bad_recipe_entry_is_a_value_error_naming_it(recipe, match):
