@@ -84,7 +84,8 @@ def refuse_bf16_stage_without_device(args: ApexTrainingArguments) -> None:
         return
     raise ValueError(
         f"stage={args.stage!r} runs BF16 autocast and no GPU here runs BF16: on a CPU take an FP32 stage "
-        "(baseline, fused_adam, fused_adam_ln) with --use_cpu, or keep this stage and pass --use_cpu."
+        "(baseline, fused_adam, fused_adam_ln) with use_cpu=True, or keep this stage and set use_cpu=True "
+        "(--use_cpu on the command line)."
     )
 
 

@@ -509,7 +509,9 @@ def load_model(args: ScriptArguments, tokenizer, resume: Checkpoint | None = Non
         try:
             model = auto_cls.from_config(config, attn_implementation=args.attn_implementation)
         except ValueError as exc:  # a config the architecture cannot build, or an attention it does not take
-            given = [f"--{k} {v}" for k, v in vars(args).items() if k in ("config_overrides", "attn_implementation") and v]
+            given = [
+                f"--{k} {v}" for k, v in vars(args).items() if k in ("config_overrides", "attn_implementation") and v
+            ]
             raise InputError(f"{' with '.join(given) or f'--model_type {args.model_type}'}: {one_line(exc)}") from exc
         if resume is None:
             logger.warning(

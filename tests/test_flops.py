@@ -14,14 +14,14 @@ def test_n_counts_matmul_parameters():
     weights = sum(p.numel() for p in model.parameters() if p.ndim == 2)  # tied lm_head counted once; no biases
     shape = model_shape(model)
     # GPT-2: position embeddings out; the word embeddings stay, since they are also the (tied) LM head.
-    assert shape["n_params"] == weights - model.transformer.wpe.weight.numel()
+    assert shape["matmul_params"] == weights - model.transformer.wpe.weight.numel()
     assert (shape["n_layers"], shape["attention_width"]) == (2, 32)
     # BERT classification: position and word embeddings are lookups only (token types are tiny lookups too,
     # but kept, as the formula only names position embeddings and untied input embeddings).
     bert = tiny_model("bert")
     embeddings = bert.bert.embeddings
     expected = sum(p.numel() for p in bert.parameters() if p.ndim == 2) - embeddings.position_embeddings.weight.numel()
-    assert model_shape(bert)["n_params"] == expected - embeddings.word_embeddings.weight.numel()
+    assert model_shape(bert)["matmul_params"] == expected - embeddings.word_embeddings.weight.numel()
 
 
 def test_attention_width_is_heads_times_head_dim():
@@ -53,9 +53,9 @@ def test_encoder_decoder_models_are_not_counted():
 
 
 def test_flops_per_token_formula():
-    shape = {"n_params": 124_000_000, "n_layers": 12, "attention_width": 768}
+    shape = {"matmul_params": 124_000_000, "n_layers": 12, "attention_width": 768}
     assert flops_per_token(shape, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
-    assert flops_per_token({"n_params": 10, "n_layers": None, "attention_width": 8}, 16) is None
+    assert flops_per_token({"matmul_params": 10, "n_layers": None, "attention_width": 8}, 16) is None
 
 
 @pytest.mark.parametrize(

@@ -248,9 +248,12 @@ def test_peak_tflops_override_gives_mfu(tmp_path):
     )
     trainer.train()
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
-    fpt = 6 * metrics["model"]["n_params"] + 12 * 2 * 32 * 16
+    fpt = 6 * metrics["model"]["matmul_params"] + 12 * 2 * 32 * 16
     assert metrics["mfu"] == pytest.approx(fpt * metrics["tokens_per_s"] / 1e12, rel=1e-9)
     assert "12*L*A*T" in metrics["mfu_formula"] and "no halving" in metrics["mfu_formula"]
+    # the formula's N leaves the embeddings, norms and biases out; "parameters" is the model's count
+    assert metrics["model"]["parameters"] == sum(p.numel() for p in trainer.model.parameters())
+    assert metrics["model"]["parameters"] > metrics["model"]["matmul_params"]
 
 
 def test_tokens_come_from_the_attention_mask(tmp_path):
@@ -510,6 +513,16 @@ def test_every_run_logs_its_last_step_however_short(tmp_path):
     trainer.train()
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
     assert [h["step"] for h in metrics["loss_history"]] == [3] and metrics["loss"]["last"] is not None
+
+
+def test_a_script_that_never_set_up_logging_still_sees_the_summary(tmp_path, capsys):
+    import logging
+
+    assert not logging.getLogger("hf_apex").isEnabledFor(logging.INFO)  # Python's default: WARNING
+    args = train_args(tmp_path, stage="fused_adam", max_steps=3)
+    ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset()).train()
+    printed = capsys.readouterr().out
+    assert "ms/step p50" in printed and f"stage metrics written to {tmp_path / METRICS_FILENAME}" in printed
 
 
 def test_two_trainers_in_one_process_keep_their_own_counts(tmp_path):

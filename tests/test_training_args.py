@@ -211,7 +211,8 @@ def test_a_bf16_stage_without_a_gpu_names_the_stage_and_the_two_ways_on():
     message = str(refused.value)
     assert message == (
         "stage='fused_full' runs BF16 autocast and no GPU here runs BF16: on a CPU take an FP32 stage "
-        "(baseline, fused_adam, fused_adam_ln) with --use_cpu, or keep this stage and pass --use_cpu."
+        "(baseline, fused_adam, fused_adam_ln) with use_cpu=True, or keep this stage and set use_cpu=True "
+        "(--use_cpu on the command line)."
     )
     assert ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_full", use_cpu=True).bf16
     assert not ApexTrainingArguments(output_dir="unused", report_to="none", stage="fused_adam_ln").bf16

@@ -30,6 +30,16 @@ from .steps import BatchCounter, StepRecord, StepTimer, compiled_graphs, merge_r
 logger = logging.getLogger("hf_apex")
 
 
+def say(lines: list[str]) -> None:
+    """The end-of-run lines: at INFO where the ``hf_apex`` logger takes it (recipes/finetune.py, a script that set
+    up logging); else printed, as the Trainer prints its own end-of-training metrics: a script that never touched
+    logging sees them too."""
+    for line in lines:
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s", line)
+        else:
+            print(line, flush=True)
+
 class StageMetricsCallback(TrainerCallback):
     """Per-step stage metrics and the run's metrics JSON.
 
@@ -139,10 +149,8 @@ class StageMetricsCallback(TrainerCallback):
         self._window.clear()  # no log follows: the summary holds these steps
         if state.is_world_process_zero:
             summary = self.last_summary = self.summary(args, state)
-            for line in summary_lines(summary):
-                logger.info("%s", line)
             path = write_metrics_file(args.output_dir, summary)
-            logger.info("hf_apex: stage metrics written to %s", path)
+            say([*summary_lines(summary), f"hf_apex: stage metrics written to {path}"])
 
     def _close_profile(self) -> None:
         if self._profile is not None:
@@ -251,6 +259,7 @@ class StageMetricsCallback(TrainerCallback):
         sections["model"] = {
             "class": type(model).__name__ if model is not None else None,
             "name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None) or None,
+            "parameters": sum(p.numel() for p in model.parameters()) if model is not None else None,
             **sections["model"],
         }
         inner = getattr(self._optimizer, "optimizer", self._optimizer)

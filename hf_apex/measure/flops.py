@@ -71,7 +71,7 @@ def model_shape(model: nn.Module) -> dict:
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
     return {
-        "n_params": matmul_params(model),
+        "matmul_params": matmul_params(model),  # the N of MFU_FORMULA: no embeddings, norms or biases
         "n_layers": getattr(config, "num_hidden_layers", None),
         "hidden_size": hidden,
         "attention_width": heads * head_dim if heads and head_dim else None,
@@ -83,4 +83,4 @@ def flops_per_token(shape: dict, seq_len: int) -> float | None:
     """Training FLOPs per position (see :data:`MFU_FORMULA`); None when it cannot be counted honestly."""
     if shape.get("encoder_decoder") or not shape.get("n_layers") or not shape.get("attention_width"):
         return None
-    return 6.0 * shape["n_params"] + 12.0 * shape["n_layers"] * shape["attention_width"] * seq_len
+    return 6.0 * shape["matmul_params"] + 12.0 * shape["n_layers"] * shape["attention_width"] * seq_len

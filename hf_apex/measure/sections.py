@@ -59,8 +59,8 @@ def trainer_sections(trainer) -> dict:
     if trainer.static_masks:
         implementation = getattr(getattr(trainer.model, "config", None), "_attn_implementation", STATIC_MASKS)
         kernels["attention_masks"] = (
-            f"{implementation}: decided without reading a tensor (no padding: no mask, SDPA's is_causal; "
-            "a batch without position_ids: one sequence per row)"
+            f"{implementation}: decided without reading a tensor (a batch without an attention mask builds none, "
+            "SDPA's is_causal; a padded batch keeps its mask; a batch without position_ids: one sequence per row)"
         )
     if trainer.args.attention_backend:
         kernels["attention_backend"] = trainer.sdpa_backend or "torch (PyTorch's own choice)"
