@@ -38,7 +38,8 @@ def say(lines: list[str]) -> None:
         if logger.isEnabledFor(logging.INFO):
             logger.info("%s", line)
         else:
-            print(line, flush=True)
+            print(line, flush=True)  # noqa: T201 (the console is the point)
+
 
 class StageMetricsCallback(TrainerCallback):
     """Per-step stage metrics and the run's metrics JSON.
