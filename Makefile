@@ -48,7 +48,7 @@ PIP_INSTALL = $(PYTHON) -m pip install $(if $(OFFLINE),--no-deps --no-build-isol
 .PHONY: help install apex doctor bench test test-lowest test-gpu test-gpu-slow test-perf lint style clean
 
 help:
-	@echo "make install     install hf_apex (+dev and plot extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
+	@echo "make install     install hf_apex (+dev, plot and trl extras) unless installed from here; torch $(TORCH_VERSION) (CI's pin) only if torch is missing"
 	@echo "make bench       the stage ladder (CUDA: BERT, GPT-2, Llama; CPU: tiny BERT, GPT-2): table, CSV/JSON, chart in $(BENCH_DIR)/"
 	@echo "make test        CPU test suite (what CI runs)"
 	@echo "make test-lowest CPU test suite in $(LOWEST_VENV) at the lowest versions pyproject.toml allows (CI runs it too)"
@@ -68,7 +68,7 @@ ifeq ($(INSTALLED_FROM)$(FORCE_INSTALL),$(realpath $(CURDIR)))
 	@echo "hf_apex is installed from this checkout (make install FORCE_INSTALL=1 reinstalls)"
 else
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "torch==$(TORCH_VERSION)"
-	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev,plot])"
+	$(PIP_INSTALL) -e ".$(if $(OFFLINE),,[dev,plot,trl])"
 endif
 
 apex: install
@@ -92,7 +92,7 @@ test: install
 test-lowest:
 	@test -n "$(LOWEST_PYTHON)" || { echo "make test-lowest: no Python 3.10 (requires-python's lower bound) found; set LOWEST_PYTHON"; exit 1; }
 	test -x $(LOWEST_VENV)/bin/python || $(LOWEST_PYTHON) -m venv $(LOWEST_VENV)
-	$(LOWEST_VENV)/bin/python -m pip install -c .ci/lowest.txt -e ".[dev,plot]" wheel
+	$(LOWEST_VENV)/bin/python -m pip install -c .ci/lowest.txt -e ".[dev,plot,trl]" wheel
 	$(LOWEST_VENV)/bin/python .ci/lowest.py
 	$(LOWEST_VENV)/bin/python -m pytest -m "not gpu" tests $(PYTEST_ARGS)
 

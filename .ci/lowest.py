@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOWEST_EXTRAS = ("trl",)  # the extras `make test-lowest` installs at their lower bounds (the others: newest)
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -21,6 +22,9 @@ def main() -> int:
     pyproject = (ROOT / "pyproject.toml").read_text()
     deps = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M).group(1)
     bounds = dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9.]+)', deps, re.M))
+    for extra in LOWEST_EXTRAS:  # optional dependencies whose lower bound is tested too
+        listed = re.search(rf"^{extra} = \[(.*?)\]", pyproject, re.M).group(1)
+        bounds.update(re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)', listed))
     python = re.search(r'^requires-python = ">=([0-9.]+)"', pyproject, re.M).group(1)
     pins = dict(
         line.split("==")

@@ -21,11 +21,13 @@ _EXPORTS = {
     "RewireReport": "kernels.surgery",
     "rewire": "kernels.surgery",
     "unrewire": "kernels.surgery",
+    "with_stages": "compose",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:
+    from .compose import with_stages
     from .kernels.surgery import RewireReport, rewire, unrewire
     from .measure.callback import StageMetricsCallback
     from .stages import STAGES, StageConfig, StageRecipe

@@ -29,6 +29,7 @@ from .kernels.surgery import RewireReport, rewire, unrewire
 from .measure.callback import StageMetricsCallback
 from .measure.sections import trainer_sections
 from .training_args import (
+    ADDED_ARGUMENTS,
     ApexTrainingArguments,
     graph_norm_kernel,
     refuse_accumulation_under_cuda_graphs,
@@ -36,6 +37,14 @@ from .training_args import (
 )
 
 logger = logging.getLogger("hf_apex")
+
+
+def config_refusal(trainer_cls: type, config: str) -> str:
+    base = next(c for c in trainer_cls.__mro__[1:] if not issubclass(c, ApexTrainer)).__name__
+    return (
+        f"{base} replaces ApexTrainingArguments with {config}, dropping the stage: pass its config class through "
+        f"hf_apex.with_stages as args (e.g. with_stages(SFTConfig)(..., stage=...) for SFTTrainer)."
+    )
 
 
 class ApexTrainer(Trainer):
@@ -67,6 +76,8 @@ class ApexTrainer(Trainer):
     documented where it is applied: swapped norms (``hf_apex.unrewire``), the fused loss and rotary embeddings
     computed once (restored by the next run that has them off)."""
 
+    ARRANGES_BATCHES = True  # packing: False where a Trainer subclass has its own data pipeline (hf_apex.compose)
+
     def __init__(
         self,
         model=None,
@@ -93,7 +104,12 @@ class ApexTrainer(Trainer):
         self._deferred_calls: dict | None = None  # while it is written: the kernel call counts at its own step
         self._param_count: tuple | None = None  # (model, parameters without embeddings), for floating_point_ops
         # The batches' layout (packing): decided on the data and the model before anything counts the steps.
-        self.batches = data.for_run(args, model, train_dataset, eval_dataset, data_collator, processing_class)
+        arranges = self.ARRANGES_BATCHES and "packing" not in getattr(args, "BASE_OWNED", ())
+        self.batches = (
+            data.for_run(args, model, train_dataset, eval_dataset, data_collator, processing_class)
+            if (arranges)
+            else None
+        )
         if self.batches is not None:
             train_dataset, eval_dataset = self.batches.train_dataset, self.batches.eval_dataset
             args, data_collator = self.batches.arguments(args), self.batches.collator
@@ -107,7 +123,16 @@ class ApexTrainer(Trainer):
             logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
             args = copy.copy(args)
             args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, "no", None
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, *more, **kwargs)
+        try:
+            super().__init__(
+                model, args, data_collator, train_dataset, eval_dataset, processing_class, *more, **kwargs
+            )
+        except TypeError as error:  # a subclass that rebuilds its own config from ours fails on a name of ours
+            if isinstance(args, ApexTrainingArguments) and any(f"'{n}'" in str(error) for n in ADDED_ARGUMENTS):
+                raise TypeError(config_refusal(type(self), "its own config")) from error
+            raise
+        if isinstance(args, ApexTrainingArguments) and not isinstance(self.args, ApexTrainingArguments):
+            raise TypeError(config_refusal(type(self), type(self.args).__name__))
         self._accelerate_settings = runtime.accelerate_settings(self.accelerator)
         refuse_accumulation_under_cuda_graphs(self.args)  # (plain TrainingArguments; ApexTrainingArguments refuse it)
         if not isinstance(self.args, ApexTrainingArguments):
@@ -319,7 +344,8 @@ class ApexTrainer(Trainer):
         if self.args.fp16:
             reason = "FP16 autocast keeps the stock loss"
         elif type(self).compute_loss is not Trainer.compute_loss:  # a loss of yours may read the logits
-            reason = "a compute_loss of the subclass reads the model's outputs, logits included"
+            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
+            reason = f"{owner.__qualname__}.compute_loss reads the model's outputs, logits included"
         else:
             reason = fuse_linear_cross_entropy(model)
         if reason is not None:

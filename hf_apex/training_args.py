@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -283,6 +283,9 @@ class ApexTrainingArguments(TrainingArguments):
         },
     )
 
+    # Arguments a config mixed by hf_apex.with_stages has too (TRL's packing): its meaning wins; stages leave them.
+    BASE_OWNED: ClassVar[frozenset] = frozenset()
+
     def __post_init__(self):
         # Stage switches must be set before super().__post_init__(): it derives mixed precision and TF32 from them.
         refuse_out_of_range(self)  # (before anything is set up or loaded)
@@ -311,7 +314,7 @@ class ApexTrainingArguments(TrainingArguments):
             )
         if self.apex_optimizer not in APEX_OPTIMIZERS:
             raise ValueError(f"apex_optimizer must be one of {APEX_OPTIMIZERS}, got {self.apex_optimizer!r}")
-        if self.packing not in (None, *LAYOUTS):
+        if "packing" not in self.BASE_OWNED and self.packing not in (None, *LAYOUTS):
             raise ValueError(f"packing must be one of {LAYOUTS} or None, got {self.packing!r}")
         if self.packing_length is not None and self.packing_length < 2:
             raise ValueError(f"packing_length must be at least 2 tokens, got {self.packing_length}")
@@ -351,6 +354,8 @@ class ApexTrainingArguments(TrainingArguments):
         user_bf16, user_fp16 = self.bf16, self.fp16
         user_mode, user_backend = self.torch_compile_mode, self.torch_compile_backend
         for name, value in stage.settings().items():
+            if name in self.BASE_OWNED:
+                continue
             current = getattr(self, name)
             current = getattr(current, "value", current)  # optim may be an OptimizerNames enum
             if name in stage.OVERRIDABLE and current != defaults[name]:
@@ -399,3 +404,8 @@ class ApexTrainingArguments(TrainingArguments):
             raise ValueError("bf16=True contradicts fp16=True / amp_dtype='fp16'; give one of them.")
         if stage.bf16 and (user_fp16 or self.amp_dtype == "fp16"):
             self.amp_dtype, self.bf16, self.fp16 = "fp16", False, True
+
+
+# The arguments ApexTrainingArguments adds to TrainingArguments.
+_STOCK = {f.name for f in dataclasses.fields(TrainingArguments)}
+ADDED_ARGUMENTS = tuple(f.name for f in dataclasses.fields(ApexTrainingArguments) if f.name not in _STOCK)

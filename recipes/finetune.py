@@ -75,12 +75,13 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+import hf_apex
 from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.distributed import close_process_group
 from hf_apex.kernels.availability import portable_path
 from hf_apex.measure.report import update_metrics_file
 from hf_apex.policy import validate_apex_args
-from hf_apex.training_args import uses_cuda_graphs
+from hf_apex.training_args import ADDED_ARGUMENTS, uses_cuda_graphs
 
 logger = logging.getLogger("finetune")
 
@@ -180,7 +181,8 @@ class ScriptArguments:
             "--optim adamw_torch_fused --bf16 true, and --use_liger_kernel true for Liger-Kernel); it refuses "
             "--stage and the apex switches. trl_sft: TRL's SFTTrainer with its packing (best fit, padding-free: one "
             "row of the batch's documents with positions restarting per document), the same metrics and your "
-            "TrainingArguments flags; --task wikitext2 --wikitext_examples paragraphs; needs trl.",
+            "TrainingArguments flags, and with --stage the stage's switches (hf_apex.with_stages); --task wikitext2 "
+            "--wikitext_examples paragraphs; needs trl.",
             "choices": ["apex", "stock", "trl_sft"],
         },
     )
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise InputError(one_line(exc)) from exc
     setup_logging()
     check_args(script_args)
-    if script_args.trainer != "apex":
+    staged_sft = script_args.trainer == "trl_sft" and training_args.stage is not None
+    if script_args.trainer != "apex" and not staged_sft:
         check_stock_args(training_args)
     try:  # environment problems (no GPU, no apex kernels under strict mode) before any data or model loads
         validate_apex_args(training_args)
@@ -226,7 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
         trainer_cls, extra = transformers.Trainer, {"callbacks": stock_callbacks(training_args, "stock")}
     if script_args.trainer == "trl_sft":  # TRL packs the documents and makes its own collator
         trainer_cls, extra = sft_trainer(), {"callbacks": stock_callbacks(training_args, "trl_sft")}
-        training_args, collator = sft_config(training_args), None
+        if staged_sft:  # SFTTrainer and SFTConfig with the stage (their metrics are ApexTrainer's)
+            trainer_cls, extra = hf_apex.with_stages(trainer_cls), {}
+        training_args, collator = sft_config(training_args, staged=staged_sft), None
     trainer = trainer_cls(
         **extra,
         model=model,
@@ -344,19 +349,21 @@ def sft_trainer():
     return SFTTrainer
 
 
-def sft_config(training_args):
+def sft_config(training_args, staged: bool = False):
     """An SFTConfig with the parsed TrainingArguments flags, packing the documents into rows of --block_size tokens
-    (TRL's best-fit packing, padding-free)."""
+    (TRL's best-fit packing, padding-free); ``staged``: ``with_stages(SFTConfig)`` with the stage and the apex
+    switches given too."""
     from trl import SFTConfig
 
-    fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
-    stock = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
-    given = {
-        k: v for k, v in training_args.to_dict().items() if k in stock and k in fields and not k.endswith("_token")
-    }
+    config = hf_apex.with_stages(SFTConfig) if staged else SFTConfig
+    fields = {f.name for f in dataclasses.fields(config) if f.init}
+    stock = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init} & fields
+    given = {k: v for k, v in training_args.to_dict().items() if k in stock and not k.endswith("_token")}
+    if staged:  # the stage and the apex switches as parsed (TRL's packing is its own: True below)
+        given.update({k: getattr(training_args, k) for k in ADDED_ARGUMENTS if k in fields and k != "packing"})
     given["accelerator_config"] = training_args.accelerator_config.to_dict()
     length = training_args.packing_length
-    return SFTConfig(**given, packing=True, max_length=length, dataset_kwargs={})
+    return config(**given, packing=True, max_length=length, dataset_kwargs={})
 
 
 def stock_callbacks(training_args, trainer: str) -> list:

@@ -146,6 +146,19 @@ def test_wikitext2_paragraphs_pad_per_batch_or_pack_into_rows(real_slices, tmp_p
     assert packed["eval"]["eval_perplexity"] > 1
 
 
+@require_shared_data
+def test_trl_sft_takes_a_stage(real_slices, tmp_path):
+    """--trainer trl_sft --stage: TRL's SFTTrainer and SFTConfig through hf_apex.with_stages; TRL packs the data."""
+    pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'hf_apex[trl]'")
+    tok = SHARED_DATA / "tokenizers" / "gpt2"
+    flags = ["--wikitext_examples", "paragraphs", "--block_size", "128", "--max_steps", "3", "--trainer", "trl_sft"]
+    finetune.main(recipe_args("wikitext2", real_slices, tok, tmp_path / "sft", *flags, "--stage", "fused_adam_ln"))
+    m = metrics_of(tmp_path / "sft")
+    assert m["stage"] == "fused_adam_ln" and m["batches"]["layout"] == "the trainer's own"
+    assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0 and m["kernels"]["calls"]["optimizer"]["fallback"] > 0
+    assert m["run"]["per_device_train_batch_size"] == 4 and m["padding_share"] == 0  # (TRL's padding-free rows)
+
+
 def test_an_attention_the_architecture_lacks_is_one_line(word_tokenizer):
     args = finetune.ScriptArguments(
         task="wikitext2", model_type="gpt2", tokenizer_name=str(word_tokenizer), attn_implementation="flex_attention"

@@ -27,7 +27,11 @@ def norms_in_graphs(trainer) -> str:
 
 def batches_section(trainer) -> dict:
     """The run's batch layout (``packing``): what was packed or bucketed, and why."""
-    return dict(trainer.batches.report) if trainer.batches is not None else {"layout": "off"}
+    if trainer.batches is not None:
+        return dict(trainer.batches.report)
+    if not trainer.ARRANGES_BATCHES:
+        return {"layout": "the trainer's own", "why": f"{type(trainer).__name__}'s data pipeline arranges the batches"}
+    return {"layout": "off"}
 
 
 def trainer_sections(trainer) -> dict:
