@@ -191,6 +191,8 @@ REFERENCES = {
     "stock": _STOCK,  # eager
     # TRL's SFTTrainer with its own packing (best fit, padding-free) and the stock row's settings
     "trl_sft": ["--trainer", "trl_sft", "--optim", "adamw_torch_fused", "--bf16", "true", "--torch_compile", "true"],
+    # the same SFTTrainer and data with fastest's switches (hf_apex.with_stages; TRL still packs)
+    "trl_sft_fastest": ["--trainer", "trl_sft", "--stage", "fastest"],
     "liger": [*_STOCK, "--use_liger_kernel", "true"],  # Liger-Kernel's Triton kernels, eager
     "liger_compiled": [*_STOCK, "--use_liger_kernel", "true", "--torch_compile", "true"],
 }
@@ -201,7 +203,7 @@ ROWS = [*STAGES, *REFERENCES]
 DEFAULT_STAGES = {
     "default": [*STAGES, "stock_compiled", "liger", "liger_compiled"],
     "families": ["stock_compiled", "fastest", "liger", "liger_compiled"],
-    "natural": ["stock", "stock_compiled", "trl_sft", "fastest"],
+    "natural": ["stock", "stock_compiled", "trl_sft", "trl_sft_fastest", "fastest"],
 }
 
 # Without CUDA: tiny shapes so the whole ladder finishes in minutes on a laptop or CI.
@@ -258,10 +260,10 @@ def parse_args(argv=None):
         help="stages, and rows of what you would run instead: stock_compiled (transformers' Trainer with "
         "torch_compile, fused AdamW, BF16), stock (the same, eager), liger and liger_compiled (with use_liger_kernel, "
         "eager and compiled; models Liger-Kernel has no kernels for are skipped), trl_sft (TRL's SFTTrainer, packing, "
-        "compiled; causal LMs on paragraphs). Default on CUDA: for the default set all eight stages, the seed's "
-        "ladder, then torch_fused, compiled, fastest and auto, then stock_compiled, liger and liger_compiled; for the "
-        "families set those three and fastest; for the natural set stock, stock_compiled, trl_sft and fastest; on "
-        "CPU: the seed's ladder",
+        "compiled; causal LMs on paragraphs), trl_sft_fastest (the same at --stage fastest). Default on CUDA: for the "
+        "default set all eight stages, the seed's ladder, then torch_fused, compiled, fastest and auto, then "
+        "stock_compiled, liger and liger_compiled; for the families set those three and fastest; for the natural set "
+        "stock, stock_compiled, trl_sft, trl_sft_fastest and fastest; on CPU: the seed's ladder",
     )
     parser.add_argument(
         "--cold_warm",
@@ -367,17 +369,20 @@ def repeats(name: str, stage: str, opts) -> int:
 
 def packs(stage: str) -> bool:
     """Whether a row packs a causal LM's documents into rows of tokens (its batch counts rows, not examples)."""
-    return stage == "trl_sft" or stage in STAGES and STAGES[stage].packing is not None
+    return stage.startswith("trl_sft") or stage in STAGES and STAGES[stage].packing is not None
 
 
 def compiles(stage: str) -> bool:
-    return "--torch_compile" in REFERENCES[stage] if stage in REFERENCES else STAGES[stage].torch_compile
+    flags = REFERENCES.get(stage, ["--stage", stage])
+    if "--stage" in flags:  # a stage's row, or a reference run at a stage (trl_sft_fastest)
+        return STAGES[flags[flags.index("--stage") + 1]].torch_compile
+    return "--torch_compile" in flags
 
 
 def why_skipped(name: str, stage: str) -> str | None:
     """Why a Liger row of this model cannot run here: Liger-Kernel not installed, or no kernels for the
     architecture (asked of the installed Liger-Kernel itself)."""
-    if stage == "trl_sft":
+    if stage.startswith("trl_sft"):
         if MODELS[name]["task"] != "wikitext2":
             return "TRL's SFTTrainer trains causal LMs; this model classifies"
         try:

@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=argmax_logits if script_args.task == "sst2" else None,
     )
+    if staged_sft and trainer.stage_metrics is not None:  # its metrics' name: the bench's row
+        trainer.stage_metrics.stage = f"trl_sft_{training_args.stage}"
     if script_args.overwrite_output_dir and trainer.args.should_save:
         delete_checkpoints(training_args.output_dir)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

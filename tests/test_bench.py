@@ -980,10 +980,12 @@ def test_the_stock_rows_run_transformers_trainer_with_their_flags_and_no_stage()
     opts.warmup = 1
     for row, flags in bench.REFERENCES.items():
         args = bench.finetune_args("llama", row, opts, Path("out"))
-        assert "--stage" not in args and "--stage_recipe" not in args
-        assert args[args.index("--trainer") + 1] == ("trl_sft" if row == "trl_sft" else "stock")
+        assert ("--stage" in args) == (row == "trl_sft_fastest") and "--stage_recipe" not in args
+        assert args[args.index("--trainer") + 1] == ("trl_sft" if row.startswith("trl_sft") else "stock")
         assert " ".join(flags) in " ".join(args)
-        assert ("--torch_compile" in args) == (row.endswith("compiled") or row == "trl_sft") == bench.compiles(row)
+        compiled = row.endswith("compiled") or row == "trl_sft"
+        assert ("--torch_compile" in args) == compiled
+        assert bench.compiles(row) == (compiled or row == "trl_sft_fastest")
         assert ("--use_liger_kernel" in args) == row.startswith("liger")
     stage_args = bench.finetune_args("llama", "fastest", opts, Path("out"))
     assert stage_args[stage_args.index("--stage") + 1] == "fastest" and "--trainer" not in stage_args
@@ -1007,7 +1009,7 @@ def test_the_families_set_and_its_default_rows():
     assert rows("--models families gpt2 --stages fastest") == ([*families, "gpt2"], ["fastest"])
     assert rows("--models default families")[1] == default_rows
     natural = ["gpt2nat", "llamanat", "llama1bnat", "bertnat", "robertanat"]
-    assert rows("--models natural") == (natural, ["stock", "stock_compiled", "trl_sft", "fastest"])
+    assert rows("--models natural") == (natural, ["stock", "stock_compiled", "trl_sft", "trl_sft_fastest", "fastest"])
     assert set().union(*bench.SETS.values()) == set(bench.MODELS) == set(bench.TINY)
 
 
@@ -1025,6 +1027,8 @@ def test_natural_rows_pad_or_pack_the_same_pool_of_examples():
     assert padded["--max_train_samples"] == packed["--max_train_samples"] == str(30 * 5 * 8)  # one pool
     assert "paragraphs" in args and "paragraphs" in packed_args and "--pad_to_max_length" not in args
     assert flags("gpt2nat", "trl_sft")[0]["--per_device_train_batch_size"] == "5"  # TRL packs rows too
+    assert flags("gpt2nat", "trl_sft_fastest")[0]["--per_device_train_batch_size"] == "5"
+    assert bench.why_skipped("bertnat", "trl_sft_fastest") == bench.why_skipped("bertnat", "trl_sft") is not None
     assert flags("bertnat", "fastest")[0]["--per_device_train_batch_size"] == "128"  # buckets: examples
     assert "--pad_to_max_length" not in flags("bertnat", "stock")[1]
     assert bench.why_skipped("bertnat", "trl_sft") == "TRL's SFTTrainer trains causal LMs; this model classifies"

@@ -154,7 +154,7 @@ def test_trl_sft_takes_a_stage(real_slices, tmp_path):
     flags = ["--wikitext_examples", "paragraphs", "--block_size", "128", "--max_steps", "3", "--trainer", "trl_sft"]
     finetune.main(recipe_args("wikitext2", real_slices, tok, tmp_path / "sft", *flags, "--stage", "fused_adam_ln"))
     m = metrics_of(tmp_path / "sft")
-    assert m["stage"] == "fused_adam_ln" and m["batches"]["layout"] == "the trainer's own"
+    assert m["stage"] == "trl_sft_fused_adam_ln" and m["batches"]["layout"] == "the trainer's own"
     assert m["kernels"]["calls"]["layer_norm"]["fallback"] > 0 and m["kernels"]["calls"]["optimizer"]["fallback"] > 0
     assert m["run"]["per_device_train_batch_size"] == 4 and m["padding_share"] == 0  # (TRL's padding-free rows)
 
