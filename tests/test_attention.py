@@ -372,7 +372,8 @@ def test_the_trainer_hands_its_compiled_steps_is_causal(tmp_path, monkeypatch):
     assert trainer._one_sequence_per_row(batch)
     assert not trainer._one_sequence_per_row({**batch, "position_ids": torch.arange(16).repeat(2, 1)})
     kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
-    assert "one sequence per row" in kernels["attention_masks"]
+    said = kernels["attention_masks"]
+    assert "one sequence per row" in said and "a padded batch keeps its mask" in said and "no padding" not in said
 
 
 def test_static_masks_never_read_a_padding_mask_to_decide(monkeypatch):
