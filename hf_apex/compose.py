@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 
 from transformers import Trainer, TrainingArguments
 
@@ -56,11 +57,14 @@ def _config_with_stages(base: type[TrainingArguments]) -> type:
     theirs = {f.name: f for f in dataclasses.fields(base)}
     ours = [f for f in dataclasses.fields(ApexTrainingArguments) if f.name in ADDED_ARGUMENTS]
     fields = [*theirs.values(), *(f for f in ours if f.name not in theirs)]
+    # the types resolved where each class is written (HfArgumentParser reads them; as strings they would be looked
+    # up in this module)
+    hints = {**typing.get_type_hints(ApexTrainingArguments), **typing.get_type_hints(base)}
     namespace = {
         "__module__": __name__,
         "__qualname__": f"Apex{base.__name__}",
         "__doc__": f"``{base.__name__}`` with hf_apex's stages (:func:`hf_apex.with_stages`).",
-        "__annotations__": {f.name: f.type for f in fields},
+        "__annotations__": {f.name: hints[f.name] for f in fields},
         **{f.name: _copy_field(f) for f in fields},
         "_VALID_DICT_FIELDS": list(dict.fromkeys(base._VALID_DICT_FIELDS + ApexTrainingArguments._VALID_DICT_FIELDS)),
         "BASE_OWNED": frozenset(f.name for f in ours if f.name in theirs),

@@ -81,6 +81,17 @@ def test_the_config_keeps_trls_defaults_and_meanings_and_adds_the_stages(tmp_pat
         with_stages(dict)
 
 
+def test_the_config_parses_from_the_command_line_with_trls_defaults(tmp_path):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(with_stages(SFTConfig)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--stage", "fastest"]
+        + ["--stage_recipe", '{"min_steps": 3}', "--packing", "true"]
+    )
+    assert args.stage == "fastest" and args.recipe.min_steps == 3 and args.torch_compile
+    assert args.packing is True and args.learning_rate == 2e-05  # TRL's packing and default
+
+
 def train(trainer_cls, config_cls, tmp_path, tokenizer, **kw):
     trainer = trainer_cls(
         model=tiny_model("llama").train(),
