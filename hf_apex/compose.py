@@ -15,7 +15,7 @@ its meaning wins), its data pipeline, losses and metrics::
     trainer = with_stages(SFTTrainer)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 What a stage then leaves to the subclass, and why, the metrics JSON says (``batches.layout``, and
-``lm_loss`` where the subclass's ``compute_loss`` reads the logits)."""
+``lm_loss`` where the subclass computes its loss itself)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,12 @@ compiles again and CUDA graphs record again. Two layouts remove most of it (``Ap
   :class:`BucketCollator`): a few shapes, which Dynamo compiles as one static graph and one dynamic one, and CUDA
   graphs record once each.
 
-Both count the batch's real tokens on the host (``REAL_TOKENS``, taken out of the batch before the model sees it) for
-the metrics' real tokens/s. Everything here is deterministic, so a run resumed from a checkpoint sees the same rows in
-the same order (the Trainer's sampler restores its place).
+A trainer with a data pipeline of its own keeps it; where that pipeline is padding-free (TRL's packing: one
+flattened row a batch, as long as its examples), :func:`as_rows` lays each batch out as rows of one shape instead.
+
+All three count the batch's real tokens on the host (``REAL_TOKENS``, taken out of the batch before the model sees
+it) for the metrics' real tokens/s. Everything here is deterministic, so a run resumed from a checkpoint sees the same
+rows in the same order (the Trainer's sampler restores its place).
 """
 
 from __future__ import annotations
@@ -174,6 +177,34 @@ class PackedCollator:
 
     def __repr__(self) -> str:
         return f"PackedCollator({self.rows} rows x {self.length} tokens)"
+
+
+# What a padding-free batch says of its one flattened row (flash attention's variable-length bounds, linear
+# attention's sequence index): rows of one shape leave them out, and the model reads the documents from the positions.
+FLAT_ROW_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+
+
+class RowsCollator:
+    """A padding-free collator (TRL's, which flattens a batch into one row as long as its examples together) made to
+    give batches of ``rows`` x ``length``: each example collated alone, as that collator makes it (its labels, its
+    positions restarting per document), then one example to a row as :class:`PackedCollator` lays them out. One
+    shape for the whole run, and attention within rows of ``length`` rather than across one long row."""
+
+    def __init__(self, collator, rows: int, length: int, pad_token_id: int = 0):
+        self.collator, self.packed = collator, PackedCollator(length, rows, pad_token_id)
+
+    def __call__(self, features: list[dict]) -> dict:
+        rows = []
+        for feature in features:
+            one = self.collator([feature])
+            left = set(one) - {"input_ids", "labels", "position_ids"} - FLAT_ROW_KEYS
+            if left:
+                raise ValueError(f"RowsCollator: {type(self.collator).__name__}'s batches hold {sorted(left)} too")
+            rows.append({k: one[k][0].tolist() for k in ("input_ids", "labels", "position_ids")})
+        return self.packed(rows)
+
+    def __repr__(self) -> str:
+        return f"RowsCollator({type(self.collator).__name__}, {self.packed.rows} rows x {self.packed.length} tokens)"
 
 
 def bucket_lengths(longest: int, step: int = BUCKET_STEP, growth: float = BUCKET_GROWTH) -> list[int]:
@@ -366,3 +397,22 @@ def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, lengt
     return Batches(
         "buckets", train_dataset, eval_dataset, BucketCollator(collator, buckets, pad), "group_by_length", report
     )
+
+
+def as_rows(trainer_name: str, args, collator) -> Batches | None:
+    """A trainer's own padding-free batches (TRL's ``padding_free``, which its packing turns on) as rows of one shape
+    (:class:`RowsCollator`), the row as long as the trainer's ``max_length``; None where the collator is not
+    padding-free or the length is not known."""
+    length = getattr(args, "max_length", None)
+    if not getattr(collator, "padding_free", False) or not isinstance(length, int):
+        return None
+    rows = args.per_device_train_batch_size
+    report = {
+        "layout": "rows",
+        "why": f"{trainer_name}'s padding-free batches (one row of varying length) laid out one example to a row of "
+        f"max_length tokens: one shape",
+        "row_length": length,
+        "rows_per_batch": rows,
+    }
+    collator = RowsCollator(collator, rows, length, getattr(collator, "pad_token_id", None) or 0)
+    return Batches("rows", None, None, collator, None, report)

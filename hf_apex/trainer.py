@@ -107,7 +107,7 @@ class ApexTrainer(Trainer):
         arranges = self.ARRANGES_BATCHES and "packing" not in getattr(args, "BASE_OWNED", ())
         self.batches = (
             data.for_run(args, model, train_dataset, eval_dataset, data_collator, processing_class)
-            if (arranges)
+            if arranges
             else None
         )
         if self.batches is not None:
@@ -139,6 +139,9 @@ class ApexTrainer(Trainer):
             return
         policy.validate_apex_args(self.args)
         policy.warn_about_the_setup(self)
+        if not arranges and self.args.torch_compile:  # one compiled shape where the trainer's batches vary in length
+            self.batches = data.as_rows(type(self).__name__, self.args, self.data_collator)
+            self.data_collator = self.batches.collator if self.batches is not None else self.data_collator
         if self.args.autotune or self.args.attention_backend == "fastest":
             self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
         if self.model_init is None:
@@ -345,7 +348,7 @@ class ApexTrainer(Trainer):
             reason = "FP16 autocast keeps the stock loss"
         elif type(self).compute_loss is not Trainer.compute_loss:  # a loss of yours may read the logits
             owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
-            reason = f"{owner.__qualname__}.compute_loss reads the model's outputs, logits included"
+            reason = f"{owner.__qualname__}.compute_loss computes the loss from the model's outputs itself"
         else:
             reason = fuse_linear_cross_entropy(model)
         if reason is not None:

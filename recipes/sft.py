@@ -15,7 +15,7 @@ the other hf_apex arguments (`hf_apex.with_stages(SFTConfig)`); `python recipes/
     python recipes/sft.py --train_file chats.jsonl --model_name_or_path Qwen/Qwen3-0.6B --stage fastest \\
         --packing true --max_length 1024 --max_steps 500 --output_dir out/sft
 
-The stage's metrics (and what it left to TRL: its data pipeline, its loss where it reads the logits) are written to
+The stage's metrics (and what it left to TRL: its data pipeline, its own loss) are written to
 `<output_dir>/hf_apex_metrics.json`, SFTTrainer's own metrics (token accuracy, entropy) to its logs.
 """
 

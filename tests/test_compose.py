@@ -9,28 +9,20 @@ import torch
 
 trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'hf_apex[trl]'")
 from datasets import Dataset  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from hf_apex import ApexTrainer, ApexTrainingArguments, with_stages  # noqa: E402
+from hf_apex.data import FLAT_ROW_KEYS, REAL_TOKENS, RowsCollator  # noqa: E402
 from hf_apex.measure.report import METRICS_FILENAME  # noqa: E402
-from tests.testing_utils import VOCAB, tiny_model  # noqa: E402
+from tests.testing_utils import VOCAB, tiny_model, word_tokenizer  # noqa: E402
 
 FP32_STAGES = ["baseline", "fused_adam", "fused_adam_ln"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[PAD]")),
-        pad_token="[PAD]",
-        bos_token="[BOS]",
-        eos_token="[EOS]",
-    )
+    return word_tokenizer()
 
 
 def documents(n=48, seed=0):
@@ -141,7 +133,7 @@ def test_sfts_own_loss_keeps_the_logits_and_the_metrics_say_why(tmp_path, tokeni
     metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
     assert metrics["lm_loss"] == {
         "fused_linear_cross_entropy": False,
-        "reason": "SFTTrainer.compute_loss reads the model's outputs, logits included",
+        "reason": "SFTTrainer.compute_loss computes the loss from the model's outputs itself",
     }
 
 
@@ -151,3 +143,40 @@ def test_apex_arguments_that_trl_would_replace_are_refused(tmp_path, tokenizer):
         with_stages(SFTTrainer)(
             model=tiny_model("llama").train(), args=args, train_dataset=documents(), processing_class=tokenizer
         )
+
+
+def test_a_compiled_run_lays_trls_padding_free_batches_out_as_rows_of_one_shape(tmp_path, tokenizer):
+    # TRL's packing flattens each batch into one row as long as its examples: a new length nearly every step, which
+    # a compiled run would meet as a new shape. A run that compiles gets rows of max_length instead, one example each.
+    Config = with_stages(SFTConfig)
+    args = sft_args(Config, tmp_path, torch_compile=True, bf16=False, per_device_train_batch_size=3)
+    trainer = with_stages(SFTTrainer)(
+        model=tiny_model("llama").train(), args=args, train_dataset=documents(), processing_class=tokenizer
+    )
+    collator = trainer.batches.collator
+    trl_collator = collator.collator
+    assert isinstance(collator, RowsCollator) and trl_collator.padding_free
+    assert trainer.batches.report["layout"] == "rows" and trainer.batches.report["row_length"] == 32
+    batches = list(trainer.get_train_dataloader())
+    assert {tuple(b["input_ids"].shape) for b in batches} == {(3, 32)} and len(batches) > 2
+    assert not FLAT_ROW_KEYS & set(batches[0])  # (the flattened row's bounds: the model reads the positions)
+    # The same tokens, targets and losses as TRL's flattened batch of the same examples
+    model = tiny_model("llama").float()
+    examples = [trainer.train_dataset[i] for i in range(3)]
+    flat, rows = trl_collator(examples), collator(examples)
+    real = rows.pop(REAL_TOKENS)
+    assert real == flat["input_ids"].shape[1] == sum(len(e["input_ids"]) for e in examples)
+    kept = rows["labels"] != -100
+    assert torch.equal(rows["labels"][kept], flat["labels"][flat["labels"] != -100])
+    assert torch.equal(rows["position_ids"][rows["input_ids"] != 0], flat["position_ids"][0])
+    with torch.no_grad():
+        ours, theirs = model(**rows, use_cache=False).loss, model(**flat, use_cache=False).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # A run that does not compile keeps TRL's batches as they are
+    eager = with_stages(SFTTrainer)(
+        model=tiny_model("llama").train(),
+        args=sft_args(Config, tmp_path, stage="fused_adam"),
+        train_dataset=documents(),
+        processing_class=tokenizer,
+    )
+    assert eager.batches is None and type(eager.data_collator) is type(trl_collator)

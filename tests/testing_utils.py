@@ -92,6 +92,21 @@ def tiny_model(family: str, **overrides) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config).eval()
 
 
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer of ``VOCAB`` words (``[PAD]`` 0, ``[BOS]`` 1, ``[EOS]`` 2, then ``w3``...), for the trainers that
+    want one (TRL's)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[PAD]")),
+        pad_token="[PAD]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+    )
+
+
 def tiny_inputs(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)

@@ -45,7 +45,7 @@ def test_fastest_keeps_a_custom_loss_its_logits_and_a_log_reader_on_the_gpu(tmp_
     assert len(trainer.terms) == 7 and min(trainer.terms) > 0.01 and set(trainer.logits_dtypes) == {torch.float32}
     assert metrics["lm_loss"] == {
         "fused_linear_cross_entropy": False,
-        "reason": "DistillationTrainer.compute_loss reads the model's outputs, logits included",
+        "reason": "DistillationTrainer.compute_loss computes the loss from the model's outputs itself",
     }
     assert metrics["run"]["torch_compile_mode"] == "reduce-overhead" and "torch_compile" not in metrics["kernels"]
     assert (
