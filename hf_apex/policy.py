@@ -5,7 +5,6 @@ the warnings a trainer's setup deserves."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import math
 import os
@@ -179,23 +178,14 @@ def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
 
 
 @contextlib.contextmanager
-def compiled_step_settings(args, model: nn.Module | None):
-    """:func:`compile_settings` set around one training step (torch.compile compiles inside the first), then torch's
-    own again: another trainer's steps, and compiled code of yours, keep theirs."""
-    with contextlib.ExitStack() as stack:
-        for module, settings in compile_settings(args, model).items():
-            stack.enter_context(importlib.import_module(module).patch(**settings))
-        yield
-
-
-@contextlib.contextmanager
-def own_compiled_graphs(args, model: nn.Module | None):
-    """Around a compiled run whose recipe changes torch's compiler settings: torch's compiled graphs are dropped
-    (``torch._dynamo.reset``) when it starts and when it ends. Dynamo's cache is the process's and reuses a graph for
-    another model of the same code without looking at the settings it was compiled under: this way the run compiles
-    under its own settings, and no graph compiled under them serves code of yours afterwards (yours recompile at their
-    next call). A run under torch's default settings shares the cache as any torch.compile does."""
-    if not compile_settings(args, model):
+def own_compiled_graphs(settings: dict[str, dict]):
+    """Around a compiled run whose recipe changes torch's compiler ``settings`` (:func:`compile_settings`): torch's
+    compiled graphs are dropped (``torch._dynamo.reset``) when it starts and when it ends. Dynamo's cache is the
+    process's and reuses a graph for another model of the same code without looking at the settings it was compiled
+    under: this way the run compiles under its own settings, and no graph compiled under them serves code of yours
+    afterwards (yours recompile at their next call). A run under torch's default settings shares the cache as any
+    torch.compile does."""
+    if not settings:
         yield
         return
     torch._dynamo.reset()

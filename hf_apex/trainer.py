@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import logging
-from collections.abc import Mapping
 
 import torch
 from accelerate.state import AcceleratorState
@@ -15,23 +14,17 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import ParallelMode
 
-from . import data, policy, runtime
-from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, compiled, training_pass
+from . import data, plan, policy, runtime
+from .autotune import compiled
 from .autotune.cache import checkpoint_decisions, save_decisions
 from .autotune.compiled import CompileCache
-from .kernels.attention import capture as capture_attention
-from .kernels.attention import one_sequence_per_row, preferring, use_static_masks
-from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
-from .kernels.norms import is_swapped
-from .kernels.optim import apex_optimizer_cls_and_kwargs
-from .kernels.rotary import compute_rotary_once, restore_rotary
-from .kernels.surgery import RewireReport, rewire, unrewire
+from .kernels.surgery import RewireReport
 from .measure.callback import StageMetricsCallback
 from .measure.sections import trainer_sections
+from .plan import mark_graph_steps
 from .training_args import (
     ADDED_ARGUMENTS,
     ApexTrainingArguments,
-    graph_norm_kernel,
     refuse_accumulation_under_cuda_graphs,
     uses_cuda_graphs,
 )
@@ -48,33 +41,18 @@ def config_refusal(trainer_cls: type, config: str) -> str:
 
 
 class ApexTrainer(Trainer):
-    """A ``Trainer`` that applies the apex switches of :class:`ApexTrainingArguments` and records stage metrics.
-    With plain ``TrainingArguments`` it is the stock ``Trainer`` (a compile mode with CUDA graphs aside: it gets the
-    step marks and logits' copies it needs, and gradient accumulation is refused).
+    """A ``Trainer`` that trains at a stage of :class:`ApexTrainingArguments` and records its metrics: a thin adapter
+    over the Trainer-free :class:`~hf_apex.plan.StagePlan`, which decides what the stage does to the model and the
+    steps. With plain ``TrainingArguments`` it is the stock ``Trainer`` (a compile mode with CUDA graphs aside: it
+    gets the step marks and logits' copies it needs, and gradient accumulation is refused).
 
-    **Subclass contract** (each point tested in ``tests/test_subclass.py``). These may be overridden; call ``super()``
-    to keep what hf_apex adds:
-
-    - ``compute_loss``: yours computes every training loss, and the passes autotune times and captures the attention
-      call from (keep it free of side effects beyond the loss). It gets the outputs in FP32, as accelerate gives them,
-      and the logits (no loss without logits); the kernels, autotune and metrics stay.
-    - ``training_step``: runs inside hf_apex's per-step settings (compile recipe, SDPA backend, masks); calling
-      ``super()`` keeps them.
-    - ``create_optimizer`` / ``get_optimizer_cls_and_kwargs``: an optimizer of yours replaces apex's (the metrics say
-      which ran); ``super()`` gives apex FusedAdam/FusedLAMB as the stage asks.
-    - ``log``: the stage metrics are merged into ``logs`` by ``super().log``.
-    - ``rewire_model(model)`` / ``fuse_loss(model)``: the norm surgery and the fused causal-LM loss, applied to the
-      model given and to each one ``model_init`` builds.
-    - ``metrics_sections()``: what the metrics JSON holds beside the step figures (add keys to ``super()``'s).
-    - ``create_stage_metrics_callback()``: the ``StageMetricsCallback`` attached when ``args.stage_metrics``.
-    - Callbacks: a callback with an ``on_log`` of its own gets every log at its step, as in the stock ``Trainer`` (a
-      run without one reads a logging step's loss a step later, to spare a host-device sync).
-
-    **Run state.** What a run changes outside the trainer is undone when ``train()`` returns or raises: TF32 flags
-    (``tf32=False``), the SDPA masks decided on the host, the FP32 output conversion taken off accelerate's forward,
-    the compiler settings of the stage recipe and the graphs compiled under them. What stays is owned by the model and
-    documented where it is applied: swapped norms (``hf_apex.unrewire``), the fused loss and rotary embeddings
-    computed once (restored by the next run that has them off)."""
+    Subclassing is supported: override ``compute_loss``, ``training_step``, ``create_optimizer`` /
+    ``get_optimizer_cls_and_kwargs``, ``log``, ``rewire_model`` / ``fuse_loss``, ``metrics_sections`` or
+    ``create_stage_metrics_callback`` and call ``super()`` to keep what hf_apex adds (docs/extending.md says what
+    each keeps; tests/test_subclass.py tests it). What a run changes outside the trainer is undone when ``train()``
+    returns or raises (``StagePlan.run``, and accelerate's FP32 output conversion); what stays is owned by the model:
+    swapped norms (``hf_apex.unrewire``), the fused loss and rotary embeddings computed once (restored by the next
+    run that has them off)."""
 
     ARRANGES_BATCHES = True  # packing: False where a Trainer subclass has its own data pipeline (hf_apex.compose)
 
@@ -89,15 +67,10 @@ class ApexTrainer(Trainer):
         *more,
         **kwargs,
     ):
-        self.autotuner: Autotuner | None = None
-        self.rewire_report: RewireReport | None = None
-        self.loss_fusion: dict | None = None  # what fuse_loss did
-        self.rotary_once: int | None = None  # rotary modules computing cos/sin once per compiled forward
-        self.static_masks = False  # whether the run's SDPA masks are decided on the host (STATIC_MASKS)
-        self.sdpa_backend: str | None = None  # the SDPA backend put first (None: PyTorch's choice)
-        self.fp32_outputs_dropped = False  # whether this run's forwards return outputs in the autocast dtype
+        self.plan: plan.StagePlan | None = None  # what the stage does to the model and the steps (hf_apex.plan)
         self.stage_metrics: StageMetricsCallback | None = None
         self.compile_cache: CompileCache | None = None  # the run's compile-cache artifacts (compile_cache)
+        self.fp32_outputs_dropped = False  # whether this run's forwards return outputs in the autocast dtype
         self._run: contextlib.ExitStack | None = None  # what train() undoes when it ends
         self._first_batch = False  # the run's one-off decisions are still to be made on its first batch
         self._deferred_log: tuple | None = None  # a logging step's log, written at the next step
@@ -114,15 +87,11 @@ class ApexTrainer(Trainer):
             train_dataset, eval_dataset = self.batches.train_dataset, self.batches.eval_dataset
             args, data_collator = self.batches.arguments(args), self.batches.collator
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
-        self._payback_key = self.compile_payback = None  # what compiling repays here (compiled.compile_payback)
-        if isinstance(args, ApexTrainingArguments) and args.torch_compile and not policy.graphs_without_gpu(args):
-            self._payback_key = compiled.payback_key(args, model)
-            self.compile_payback = compiled.compile_payback(args, model)
-        self.compile_skipped = policy.why_not_compile(args, train_dataset, self.compile_payback)
-        if self.compile_skipped:
-            logger.warning("hf_apex: not compiling: %s.", self.compile_skipped)
-            args = copy.copy(args)
-            args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, "no", None
+        compiling = plan.decide_compile(args, model, train_dataset)
+        args, self.compile_skipped, self.compile_payback, self._payback_key = compiling
+        if isinstance(args, ApexTrainingArguments):  # (before Trainer.__init__, which builds model_init's model)
+            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))  # (a loss of yours)
+            self.plan = plan.StagePlan(args, loss_owner=None if owner is Trainer else owner.__qualname__)
         try:
             super().__init__(
                 model, args, data_collator, train_dataset, eval_dataset, processing_class, *more, **kwargs
@@ -142,15 +111,16 @@ class ApexTrainer(Trainer):
         if not arranges and self.args.torch_compile:  # one compiled shape where the trainer's batches vary in length
             self.batches = data.as_rows(type(self).__name__, self.args, self.data_collator)
             self.data_collator = self.batches.collator if self.batches is not None else self.data_collator
-        if self.args.autotune or self.args.attention_backend == "fastest":
-            self.autotuner = Autotuner(DecisionCache(self.args.autotune_cache))
         if self.model_init is None:
-            self._apply_model_switches(self.model)
-        if self.data_collator is not None and policy.drops_full_attention_mask(self.args, self.model):
-            self.data_collator = runtime.DropFullAttentionMask(self.data_collator)
+            self._convert(self.model)
+        self.data_collator = self.plan.collator(self.data_collator, self.model)
         if self.args.stage_metrics:
             self.stage_metrics = self.create_stage_metrics_callback()
             self.add_callback(self.stage_metrics)
+
+    @property
+    def autotuner(self):
+        return self.plan.autotuner if self.plan is not None else None
 
     def _reclaim_accelerate_state(self) -> None:
         """accelerate keeps its settings (precision, compile) in one state per process, which the next ``Trainer``
@@ -166,22 +136,16 @@ class ApexTrainer(Trainer):
         self._reclaim_accelerate_state()
         if not isinstance(self.args, ApexTrainingArguments):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-        with contextlib.ExitStack() as run:  # closed in reverse: each change is undone when the run ends
+        if self.model_init is None and self.model is not None:
+            # Again: another trainer built on the same model may have converted it its own way since __init__.
+            self._convert(self.model)
+        with self.plan.run(self.model) as run:  # closed in reverse: each change is undone when the run ends
             self._run = run
             run.callback(setattr, self, "_run", None)
-            if self.args.tf32 is False:
-                run.enter_context(runtime.strict_fp32())
-            run.enter_context(policy.own_compiled_graphs(self.args, self.model))
-            run.callback(self._static_masks_off)
-            if self.model_init is None and self.model is not None:
-                # Again: another trainer built on the same model may have rewired it its own way since __init__.
-                self._apply_model_switches(self.model)
-                self._use_attention(self.model)
             if self.autotuner is not None:
                 resumed = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else None
                 self.autotuner.begin_run(pinned=checkpoint_decisions(resumed or resume_from_checkpoint))
                 run.callback(self.autotuner.end_run)
-            self.sdpa_backend = None if self.args.attention_backend == "fastest" else self.args.attention_backend
             self.fp32_outputs_dropped, self._first_batch = False, True
             self._reuse_compiled_work(run)
             run.callback(self._log_deferred)  # a run that stops between a logging step and the next keeps its log
@@ -203,24 +167,17 @@ class ApexTrainer(Trainer):
         run.callback(self.remove_callback, self.compile_cache)
         run.callback(self.compile_cache.save)  # (first: what an evaluation at the end compiled)
 
-    def _static_masks_off(self) -> None:
-        if self.static_masks:  # the model leaves train() with transformers' own attention (and pickles so)
-            use_static_masks(self.model, on=False)
-
     def training_step(self, model, inputs, *args, **kwargs):
         inputs, real_tokens = data.take_real_tokens(inputs)  # (a packed or bucketed batch counts them on the host)
         if real_tokens is not None and self.stage_metrics is not None:
             self.stage_metrics.count_real_tokens(real_tokens)
-        masks = self._one_sequence_per_row(inputs)
-        with policy.compiled_step_settings(self.args, self.model), one_sequence_per_row(masks):
-            if self.autotuner is not None:
-                self.autotuner.at_step(self.state.global_step)  # (the norms' trial on whole steps, while it runs)
-            if self._first_batch:  # (accelerate has wrapped the model's forward by now)
-                self._first_batch = False
-                self._decide_on_first_batch(inputs)
+        if self.plan is None:
+            return super().training_step(model, inputs, *args, **kwargs)
+        first = functools.partial(self._decide_on_first_batch, inputs) if self._first_batch else None
+        self._first_batch = False  # (decided at the first step: accelerate has wrapped the model's forward by then)
+        with self.plan.step(inputs, self.state.global_step, first):
             try:
-                with preferring(self.sdpa_backend):  # (under torch.compile: the backend the graph is traced with)
-                    return super().training_step(model, inputs, *args, **kwargs)
+                return super().training_step(model, inputs, *args, **kwargs)
             except RuntimeError as error:
                 if "find_unused_parameters" in str(error) and self.args.ddp_find_unused_parameters is False:
                     raise RuntimeError(
@@ -230,61 +187,31 @@ class ApexTrainer(Trainer):
                     ) from error
                 raise
 
-    def _one_sequence_per_row(self, inputs) -> bool:
-        """Whether this batch's rows are one sequence each, known without reading a tensor: under static masks, a
-        batch without ``position_ids``."""
-        return self.static_masks and isinstance(inputs, Mapping) and "position_ids" not in inputs
-
     def _decide_on_first_batch(self, inputs) -> None:
-        """The run's one-off decisions: the model's output dtype, autotune's norms and SDPA backend."""
+        """The run's one-off decisions: the model's output dtype (accelerate's), then the plan's (autotune's norms,
+        the SDPA backend), timed on the unwrapped model without DDP's hooks (rank 0 times alone)."""
         if not (self.args.fp32_outputs or runtime.loss_reads_outputs(self)):
             model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # (FSDP1: self.model wraps it)
             self.fp32_outputs_dropped = runtime.drop_fp32_outputs(model, self._run)
-        if self._tunes_norms_in_step():
-            self._choose_norms(self._prepare_inputs(inputs))
-        if self.args.attention_backend == "fastest":
-            self.sdpa_backend = self._choose_attention(self._prepare_inputs(inputs))
-
-    def _tunes_norms_in_step(self) -> bool:
-        # Not under torch.compile (the graphs run graph_norm_kernel's op), FSDP (a forward on one rank would hang the
-        # others), DeepSpeed (ZeRO-3 gathers in a forward) or activation checkpointing (reentrant checkpoints refuse
-        # autograd.grad): there each norm type is timed alone instead.
-        args = self.args
-        return (
-            self.autotuner is not None
-            and args.apex_fused_norms
-            and not args.torch_compile
-            and policy.fsdp_version(args) is None
-            and not args.gradient_checkpointing
-            and not getattr(args, "activation_checkpointing", False)
-            and not getattr(self.model, "is_gradient_checkpointing", False)
-            and not self.is_deepspeed_enabled
+        if self.autotuner is None:
+            return
+        inputs, raw = self._prepare_inputs(inputs), self.model.train()  # (as the step runs it: with dropout)
+        sharded = policy.fsdp_version(self.args) or self.is_deepspeed_enabled  # (a partial forward strands shards)
+        checkpointed = self.args.gradient_checkpointing or getattr(self.args, "activation_checkpointing", False)
+        warmup = self.plan.decide_on_first_batch(
+            raw,
+            lambda: self._autocast_loss(raw, inputs),
+            inputs,
+            steps_left=self.state.max_steps - self.state.global_step,
+            norms_in_step=not (sharded or checkpointed or getattr(raw, "is_gradient_checkpointing", False)),
+            attention_blocked="not timed under FSDP or DeepSpeed" if sharded else None,
         )
+        if warmup and self.stage_metrics is not None:
+            self.stage_metrics.hold_warmup(warmup)  # the trial's steps and the profiled one after are warm-up
 
     def _autocast_loss(self, model: nn.Module, inputs: dict):
         with self.accelerator.autocast():
             return self.compute_loss(model, dict(inputs))  # (compute_loss may pop the labels)
-
-    def _choose_norms(self, inputs: dict) -> None:
-        raw = self.model  # unwrapped: no DDP hooks or collectives in the timed passes (rank 0 times alone)
-        main = getattr(raw, "main_input_name", "input_ids")
-        shape = next((tuple(v.shape) for k, v in inputs.items() if k == main and torch.is_tensor(v)), ())
-        amp = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
-        long_run = self.state.max_steps - self.state.global_step >= TRIAL_MIN_STEPS  # worth checking on whole steps
-        passes = training_pass(raw, lambda: self._autocast_loss(raw, inputs))
-        self.autotuner.choose_norms(raw, passes, shape, amp, trial=long_run)
-        if self.autotuner.trial is not None and self.stage_metrics is not None:
-            self.stage_metrics.hold_warmup(TRIAL_WARMUP)  # the trial's steps and the profiled one after are warm-up
-
-    def _choose_attention(self, inputs: dict) -> str:
-        """The SDPA backend timed fastest on the model's first attention call in ``inputs`` (rank 0 decides)."""
-        if policy.fsdp_version(self.args) or self.is_deepspeed_enabled:  # a partial forward would strand shards
-            return self.autotuner.choose_attention(None, blocked="not timed under FSDP or DeepSpeed")
-        raw = self.model.train()  # as the step runs it: with dropout (from_pretrained gives it in eval mode)
-        return self.autotuner.choose_attention(capture_attention(lambda: self._autocast_loss(raw, inputs)))
-
-    def _use_attention(self, model: nn.Module) -> None:
-        self.static_masks = use_static_masks(model, self.args.recipe.static_masks)
 
     def evaluate(self, *args, **kwargs):
         self._reclaim_accelerate_state()
@@ -294,7 +221,7 @@ class ApexTrainer(Trainer):
 
     def prediction_step(self, model, inputs, *args, **kwargs):
         inputs, _ = data.take_real_tokens(inputs)
-        with preferring(self.sdpa_backend), one_sequence_per_row(self._one_sequence_per_row(inputs)):
+        with self.plan.evaluation_step(inputs) if self.plan else contextlib.nullcontext():
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
         if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy
             loss, logits, labels = outputs
@@ -303,78 +230,33 @@ class ApexTrainer(Trainer):
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
-        if isinstance(self.args, ApexTrainingArguments):  # Trainer builds the model again in train()
-            self._apply_model_switches(model)
-            self._use_attention(model)
+        if self.plan is not None:  # Trainer builds the model again in train()
+            self._convert(model)
+            self.plan.masks.convert(model)
         return model
 
-    def _apply_model_switches(self, model: nn.Module) -> None:
-        self.rewire_report = self.rewire_model(model)
-        self.loss_fusion = self.fuse_loss(model)
-        if self.args.torch_compile and self.args.recipe.rotary_once:
-            self.rotary_once = compute_rotary_once(model)
-        else:
-            restore_rotary(model)  # a model reused from a run that had it
-            self.rotary_once = None
+    def _convert(self, model: nn.Module) -> None:
+        """The plan's converters on ``model``, the two of the subclass contract through their hooks."""
+        self.plan.convert(model, {"rewire": self.rewire_model, "lm_loss": self.fuse_loss})
 
     def rewire_model(self, model: nn.Module) -> RewireReport | None:
         """Swap norms for apex fused norms when ``args.apex_fused_norms``; returns the report (or None)."""
-        if not self.args.apex_fused_norms:
-            if any(is_swapped(m) for m in model.modules()):  # a model reused from an earlier fused-norm run
-                logger.warning("hf_apex: apex_fused_norms is off; restoring the stock norms of the rewired model.")
-                unrewire(model)
-            return None
-        report = rewire(
-            model,
-            strict_kernels=self.args.apex_strict_kernels,
-            chooser=self._choose_norm if self.args.autotune else None,
-            compiled=self.args.torch_compile,
-            graph_kernel=graph_norm_kernel(self.args),
-        )
-        if report.num_swapped == 0:
-            logger.warning("hf_apex: apex_fused_norms is on but no norm of %s could be swapped.", type(model).__name__)
-        return report
-
-    def _choose_norm(self, module, x, amp) -> str:  # (called at the norm's first call: the autotuner exists by then)
-        return self.autotuner.choose_norm(module, x, amp)
+        return self.plan.norms.convert(model)
 
     def fuse_loss(self, model: nn.Module) -> dict | None:
         """With ``args.fused_linear_cross_entropy``, compute the causal-LM training loss without the logits
         (:mod:`hf_apex.kernels.loss`); returns what was done (None when not asked), which the metrics JSON records."""
-        if not self.args.fused_linear_cross_entropy:
-            unfuse_linear_cross_entropy(model)  # a model reused from a run that had it
-            return None
-        if self.args.fp16:
-            reason = "FP16 autocast keeps the stock loss"
-        elif type(self).compute_loss is not Trainer.compute_loss:  # a loss of yours may read the logits
-            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
-            reason = f"{owner.__qualname__}.compute_loss computes the loss from the model's outputs itself"
-        else:
-            reason = fuse_linear_cross_entropy(model)
-        if reason is not None:
-            unfuse_linear_cross_entropy(model)
-        # a stage turns it on for every model: only a switch of yours warrants a warning, once
-        if reason is not None and reason != (self.loss_fusion or {}).get("reason"):
-            (logger.info if self.args.stage else logger.warning)(
-                "hf_apex: fused_linear_cross_entropy is on but not used: %s.", reason
-            )
-        return {"fused_linear_cross_entropy": reason is None, "reason": reason}
+        return self.plan.loss.convert(model)
 
     # transformers >= 5.8 has no `adamw_apex_fused`: apex optimizers come in through this hook.
     def get_optimizer_cls_and_kwargs(self, args, model=None):
-        if not (isinstance(args, ApexTrainingArguments) and args.apex_optimizer != "none"):
+        if not (isinstance(args, ApexTrainingArguments) and args.apex_optimizer != "none" and self.plan):
             return super().get_optimizer_cls_and_kwargs(args, model)
-        tuner = self.autotuner
-        choose = (lambda kwargs, blocked: tuner.choose_optimizer(model, kwargs, blocked)) if tuner else None
-        return apex_optimizer_cls_and_kwargs(args, model, choose)
+        return self.plan.optimizer_cls_and_kwargs(model)
 
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
-        if uses_cuda_graphs(self.args) and not getattr(optimizer, "_hf_apex_marks_steps", False):
-            # Once the optimizer has stepped, the step's graph outputs (its gradients among them) are done with: the
-            # next step's replays may reuse their memory.
-            optimizer.register_step_post_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
-            optimizer._hf_apex_marks_steps = True
+        mark_graph_steps(self.args, optimizer)
         return optimizer
 
     def save_model(self, output_dir: str | None = None, *args, **kwargs):

@@ -17,7 +17,6 @@ read at the end), and written with the losses to OUT.json.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import json
@@ -31,18 +30,12 @@ import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-from hf_apex import ApexTrainingArguments, rewire
-from hf_apex.autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, training_pass
-from hf_apex.kernels.attention import capture as capture_attention
-from hf_apex.kernels.attention import one_sequence_per_row, preferring, use_static_masks
-from hf_apex.kernels.loss import fuse_linear_cross_entropy
-from hf_apex.kernels.optim import apex_optimizer_cls_and_kwargs
-from hf_apex.kernels.rotary import compute_rotary_once
+from hf_apex import ApexTrainingArguments
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
-from hf_apex.policy import compiled_step_settings, drops_full_attention_mask, why_not_compile
-from hf_apex.runtime import DropFullAttentionMask, HostCopy, strict_fp32
-from hf_apex.training_args import graph_norm_kernel, uses_cuda_graphs
+from hf_apex.plan import StagePlan, decide_compile
+from hf_apex.runtime import HostCopy
+from hf_apex.training_args import uses_cuda_graphs
 
 
 def loss_items_counter(model, args) -> Callable[[dict], torch.Tensor | None]:
@@ -73,9 +66,7 @@ def main(out_json: str, argv: list[str]) -> dict:
             "plain_loop.py: needs --max_steps > 0 and --gradient_accumulation_steps 1 (what make bench runs)"
         )
     set_seed(args.seed)
-    # as ApexTrainer.train (on torch.compile the setting is part of the graphs' cache key)
-    with strict_fp32() if args.tf32 is False else contextlib.nullcontext():
-        return run(script_args, args, out_json)
+    return run(script_args, args, out_json)
 
 
 def run(script_args, args: ApexTrainingArguments, out_json: str) -> dict:
@@ -83,49 +74,37 @@ def run(script_args, args: ApexTrainingArguments, out_json: str) -> dict:
     model = finetune.load_model(script_args, tokenizer)
     prepare = finetune.prepare_sst2 if script_args.task == "sst2" else finetune.prepare_wikitext2
     train_ds, _, collator, _ = prepare(script_args, finetune.load_raw_data(script_args), tokenizer, model, args)
-    if why_not_compile(args, train_ds):  # as ApexTrainer: eager when compilation would not pay, or without a GPU
-        args.torch_compile = False
+    args = decide_compile(args, model, train_ds)[0]  # as ApexTrainer: eager where compiling would not pay
     device = args.device
     if hasattr(args, "use_cache"):  # as Trainer.__init__ does (False by default: no KV cache built in training)
         model.config.use_cache = args.use_cache
     model.to(device).train()
 
-    # The Trainer's choices: apex kernels (autotuned or not), decay groups, optimizer, schedule, compile.
-    timed = args.autotune or args.attention_backend == "fastest"
-    tuner = Autotuner(DecisionCache(args.autotune_cache)) if timed else None
-    if args.apex_fused_norms:
-        rewire(
-            model,
-            strict_kernels=args.apex_strict_kernels,
-            chooser=tuner.choose_norm if args.autotune else None,
-            compiled=args.torch_compile,
-            graph_kernel=graph_norm_kernel(args),
-        )
-    if args.fused_linear_cross_entropy and not args.fp16:  # as ApexTrainer: FP16 autocast keeps the stock loss
-        fuse_linear_cross_entropy(model)  # (a model it does not fit keeps its loss, as in ApexTrainer)
-    if args.torch_compile and args.recipe.rotary_once:
-        compute_rotary_once(model)  # as ApexTrainer: a RoPE model's cos/sin once per compiled forward
-    static = use_static_masks(model, args.recipe.static_masks)  # as ApexTrainer: SDPA masks decided on the host
+    # What the stage does (hf_apex.plan, as in ApexTrainer); the Trainer's own choices: decay groups, schedule.
+    plan = StagePlan(args)
+    plan.convert(model)
     decay = set(Trainer.get_decay_parameter_names(None, model))
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
     ]
     if args.apex_optimizer != "none":
-        choose = (lambda kwargs, blocked: tuner.choose_optimizer(model, kwargs, blocked)) if tuner else None
-        opt_cls, kwargs = apex_optimizer_cls_and_kwargs(args, model, choose)
+        opt_cls, kwargs = plan.optimizer_cls_and_kwargs(model)
     else:
         opt_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = opt_cls(groups, **kwargs)
     steps = args.max_steps
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.get_warmup_steps(steps), steps)
-    raw = model
+    with plan.run(model):
+        return train(plan, model, train_ds, collator, optimizer, scheduler, out_json)
+
+
+def train(plan: StagePlan, model, train_ds, collator, optimizer, scheduler, out_json: str) -> dict:
+    args, raw, steps = plan.args, model, plan.args.max_steps
     if args.torch_compile:  # as the Trainer does (through accelerate): compile the model, not the optimizer
         model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
-
-    cuda = device.type == "cuda"
-    if drops_full_attention_mask(args, raw):  # as ApexTrainer does
-        collator = DropFullAttentionMask(collator)
+    device, cuda = args.device, args.device.type == "cuda"
+    collator = plan.collator(collator, raw)
     loader = torch.utils.data.DataLoader(
         train_ds,
         batch_size=args.per_device_train_batch_size,
@@ -144,44 +123,25 @@ def run(script_args, args: ApexTrainingArguments, out_json: str) -> dict:
     first = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
     batches = itertools.chain([first], batches)
 
-    one_sequence = static and "position_ids" not in first  # as ApexTrainer: each row one sequence, unread
     count_items = loss_items_counter(raw, args)
 
     def loss_fn():
-        with (
-            torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
-            one_sequence_per_row(one_sequence),
-        ):
+        with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
             return raw(**first).loss
 
-    if args.autotune and args.apex_fused_norms and not args.torch_compile:  # as ApexTrainer: timed on whole passes
-        shape = tuple(first[model.main_input_name].shape)
-        autocast_dtype = amp if args.bf16 or args.fp16 else None
-        trial = steps >= TRIAL_MIN_STEPS  # as ApexTrainer: a long run checks the choice on whole steps
-        tuner.choose_norms(model, training_pass(model, loss_fn), shape, autocast_dtype, trial=trial)
-    warmup = args.metrics_warmup_steps  # as ApexTrainer: a trial's steps, and the one after them, are warm-up
-    if tuner is not None and tuner.trial is not None:
-        warmup = max(warmup, TRIAL_WARMUP)
-    attention = args.attention_backend  # as ApexTrainer: the SDPA backend put first for every step
-    if attention == "fastest":
-        attention = tuner.choose_attention(capture_attention(loss_fn))
+    # the run's one-off decisions (autotune's norms, the SDPA backend); a norms trial's steps are warm-up
+    warmup = max(args.metrics_warmup_steps, plan.decide_on_first_batch(raw, loss_fn, first, steps_left=steps))
     timer, losses, logged = StepTimer(cuda), [], None
     graphs = uses_cuda_graphs(args)  # as ApexTrainer: each step's start marked for the CUDA graphs
     for step in range(1, steps + 1):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         items = count_items(batch)  # as the Trainer: None where the model takes no loss kwargs
         loss_kwargs = {} if items is None else {"num_items_in_batch": items}
-        if tuner is not None and step > 1:  # as ApexTrainer: the norms' trial from the step after the passes'
-            tuner.at_step(step - 1)
         timer.start()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with compiled_step_settings(args, raw):  # as ApexTrainer (of the model, not its compiled wrapper)
-            with (
-                torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16),
-                preferring(attention),
-                one_sequence_per_row(one_sequence),
-            ):
+        with plan.step(batch, step - 1 if step > 1 else None):  # (autotune's norms trial: from the second step)
+            with torch.autocast(device.type, dtype=amp, enabled=args.bf16 or args.fp16):
                 loss = model(**batch, **loss_kwargs).loss
             scaler.scale(loss).backward()
         if args.max_grad_norm > 0:
@@ -202,8 +162,8 @@ def run(script_args, args: ApexTrainingArguments, out_json: str) -> dict:
             logged = HostCopy(loss)
             if step == steps:
                 float(logged.get()[0])
-    if tuner is not None:
-        tuner.end_run()
+    if plan.autotuner is not None:
+        plan.autotuner.end_run()
     ms = timer.drain(final=True)
     result = {
         "step_time_ms": percentiles(ms[warmup:] or ms),

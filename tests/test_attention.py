@@ -268,7 +268,7 @@ def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
     _, step, evaluation, losses, metrics = train(tmp_path, "default")
     assert step == evaluation == {CPU_FLASH_OP} and "attention_backend" not in metrics["kernels"]
     trainer, step, evaluation, fastest_losses, metrics = train(tmp_path, "fastest", attention_backend="fastest")
-    assert trainer.sdpa_backend == "math" and metrics["kernels"]["attention_backend"] == "math"
+    assert trainer.plan.sdpa_backend == "math" and metrics["kernels"]["attention_backend"] == "math"
     assert step == evaluation == {MATH_OP}
     decision = next(d for d in metrics["autotune"] if d["component"] == "attention")
     assert decision["backend"] == "math" and decision["cached"] is False
@@ -295,7 +295,7 @@ def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_pat
     kw = dict(attention_backend="fastest", torch_compile=True, torch_compile_mode=mode)
     trainer, step, evaluation, _, metrics = train(tmp_path, "c", **kw)
     assert metrics["run"]["torch_compile"] and metrics["run"]["torch_compile_mode"] == mode
-    assert trainer.sdpa_backend == "math"
+    assert trainer.plan.sdpa_backend == "math"
     assert step == evaluation == {MATH_OP}  # PyTorch's own choice here is the flash kernel (test above)
 
 
@@ -366,11 +366,11 @@ def test_the_trainer_hands_its_compiled_steps_is_causal(tmp_path, monkeypatch):
     trainer.train()
     trainer.evaluate()
     torch._dynamo.reset()
-    assert trainer.static_masks and calls and all(not mask and is_causal for mask, is_causal in calls), calls
+    assert trainer.plan.masks.report and calls and all(not mask and is_causal for mask, is_causal in calls), calls
     # A batch with position ids of its own (a flattening collator packs rows with them) is left to transformers
     batch = trainer.data_collator([data[i] for i in range(2)])
-    assert trainer._one_sequence_per_row(batch)
-    assert not trainer._one_sequence_per_row({**batch, "position_ids": torch.arange(16).repeat(2, 1)})
+    assert trainer.plan.one_sequence_per_row(batch)
+    assert not trainer.plan.one_sequence_per_row({**batch, "position_ids": torch.arange(16).repeat(2, 1)})
     kernels = json.loads((tmp_path / METRICS_FILENAME).read_text())["kernels"]
     said = kernels["attention_masks"]
     assert "one sequence per row" in said and "a padded batch keeps its mask" in said and "no padding" not in said

@@ -523,8 +523,8 @@ def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
     clock = FakeClock()
     _norms_on_the_clock(fake_apex, monkeypatch, clock, slow=APEX)
     fix_timings(monkeypatch, {APEX: 1.0, TORCH: 2.0})  # the passes say apex; its steps are slower
-    # the loop builds its own Autotuner (as ApexTrainer does): this one times the trial's steps on the fake clock
-    monkeypatch.setattr(plain_loop, "Autotuner", functools.partial(Autotuner, clock=clock))
+    # the loop's plan builds its own Autotuner (as ApexTrainer's): this one times the trial's steps on the fake clock
+    monkeypatch.setattr("hf_apex.plan.Autotuner", functools.partial(Autotuner, clock=clock))
     steps = autotune.TRIAL_MIN_STEPS
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", str(steps - 1), "--warmup", "1"])
     flags = bench.finetune_args("gpt2", "auto", opts, tmp_path / "run", nproc=1)

@@ -898,18 +898,18 @@ def test_the_plain_loop_keeps_fp32_strict_as_the_trainer_does(
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     matmul = torch.backends.cuda.matmul  # (its settings go through __getattr__: monkeypatch cannot put them back)
     before, matmul.fp32_precision = matmul.fp32_precision, "none"
-    seen, run = [], plain_loop.run
+    seen, train = [], plain_loop.train
 
-    def noted_run(*args):
+    def noted_train(*args):
         seen.append(matmul.fp32_precision)
-        return run(*args)
+        return train(*args)
 
     try:
-        plain_loop.run = noted_run
+        plain_loop.train = noted_train
         plain_loop.main(str(tmp_path / "plain.json"), flags)
         assert seen == ["ieee"] and matmul.fp32_precision == "none"  # strict for the run, then as it was
     finally:
-        plain_loop.run = run
+        plain_loop.train = train
         matmul.fp32_precision = before
 
 
@@ -953,20 +953,20 @@ def test_the_plain_loop_compiles_under_the_trainers_settings(
     the plain loop had recomputed pointwise results in its backward: another step than the Trainer's."""
     import plain_loop
 
+    from hf_apex import policy
     from hf_apex.kernels.loss import is_fused
-    from hf_apex.policy import compile_settings
 
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
     flags = bench.finetune_args("gpt2", "fastest", opts, tmp_path / "run", nproc=1)
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     flags += ["--torch_compile_backend", "eager"]  # (Dynamo only: the settings are decided before Inductor)
-    asked, settings = [], plain_loop.compiled_step_settings
+    asked, settings = [], policy.compile_settings
 
     def noted(args, model):
-        asked.append((is_fused(model), compile_settings(args, model)))
-        return settings(args, model)
+        asked.append((is_fused(model), settings(args, model)))
+        return asked[-1][1]
 
-    monkeypatch.setattr(plain_loop, "compiled_step_settings", noted)
+    monkeypatch.setattr(policy, "compile_settings", noted)  # (the plan decides them once, on the converted model)
     plain_loop.main(str(tmp_path / "plain.json"), flags)
     # the fused model: no recomputation; torch's own dropout kernels, as the stage sets
     assert asked and all(fused for fused, _ in asked)

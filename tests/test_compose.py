@@ -15,14 +15,14 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 from hf_apex import ApexTrainer, ApexTrainingArguments, with_stages  # noqa: E402
 from hf_apex.data import FLAT_ROW_KEYS, REAL_TOKENS, RowsCollator  # noqa: E402
 from hf_apex.measure.report import METRICS_FILENAME  # noqa: E402
-from tests.testing_utils import VOCAB, tiny_model, word_tokenizer  # noqa: E402
+from tests.testing_utils import VOCAB, tiny_model, word_level_tokenizer  # noqa: E402
 
 FP32_STAGES = ["baseline", "fused_adam", "fused_adam_ln"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return word_tokenizer()
+    return word_level_tokenizer()
 
 
 def documents(n=48, seed=0):

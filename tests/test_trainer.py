@@ -136,7 +136,7 @@ def test_model_init_models_are_rewired_every_time(tmp_path):
     trainer.train()
     assert len(built) == 2  # once in __init__, again in train()
     assert all(is_swapped(m.transformer.ln_f) for m in built)
-    assert trainer.rewire_report.num_swapped == 5
+    assert trainer.plan.norms.report.num_swapped == 5
 
 
 def test_plain_training_arguments_behave_like_trainer(tmp_path):
@@ -144,7 +144,7 @@ def test_plain_training_arguments_behave_like_trainer(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, save_strategy="no")
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
     trainer.train()
-    assert trainer.stage_metrics is None and trainer.rewire_report is None
+    assert trainer.stage_metrics is None and trainer.plan is None
     assert not any(is_swapped(m) for m in model.modules())
     assert not (tmp_path / METRICS_FILENAME).exists()
     assert type(trainer.optimizer.optimizer).__name__ == "AdamW"

@@ -92,7 +92,7 @@ def tiny_model(family: str, **overrides) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config).eval()
 
 
-def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+def word_level_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A tokenizer of ``VOCAB`` words (``[PAD]`` 0, ``[BOS]`` 1, ``[EOS]`` 2, then ``w3``...), for the trainers that
     want one (TRL's)."""
     from tokenizers import Tokenizer

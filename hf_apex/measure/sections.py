@@ -8,7 +8,7 @@ import torch
 from ..kernels.attention import STATIC_MASKS
 from ..kernels.norms import is_swapped
 from ..kernels.trace import APEX, TORCH
-from ..policy import compile_settings, why_not_fuse_projections
+from ..policy import why_not_fuse_projections
 from ..runtime import DropFullAttentionMask, loss_reads_outputs
 from ..training_args import graph_norm_kernel
 
@@ -37,7 +37,8 @@ def batches_section(trainer) -> dict:
 def trainer_sections(trainer) -> dict:
     """What ``trainer`` adds to the metrics JSON at the end of its run."""
     kernels = {}
-    settings = compile_settings(trainer.args, trainer.model)  # (empty in a run that skipped compiling: args of eager)
+    plan = trainer.plan
+    settings = plan.compile_settings  # (empty in a run that skipped compiling: args of eager)
     inductor = settings.get("torch._inductor.config", {})
     if trainer.args.apex_fused_norms and trainer.args.torch_compile:
         kernels["norms_under_torch_compile"] = norms_in_graphs(trainer)
@@ -60,18 +61,18 @@ def trainer_sections(trainer) -> dict:
         kernels["projections"] = f"not fused: {why_not_fuse_projections(trainer.args, trainer.model)}"
     if isinstance(trainer.data_collator, DropFullAttentionMask):
         kernels["attention_mask"] = "left out of batches where it is all ones"
-    if trainer.static_masks:
+    if plan.masks.report:
         implementation = getattr(getattr(trainer.model, "config", None), "_attn_implementation", STATIC_MASKS)
         kernels["attention_masks"] = (
             f"{implementation}: decided without reading a tensor (a batch without an attention mask builds none, "
             "SDPA's is_causal; a padded batch keeps its mask; a batch without position_ids: one sequence per row)"
         )
     if trainer.args.attention_backend:
-        kernels["attention_backend"] = trainer.sdpa_backend or "torch (PyTorch's own choice)"
-    if trainer.rotary_once is not None and trainer.args.torch_compile:
+        kernels["attention_backend"] = plan.sdpa_backend or "torch (PyTorch's own choice)"
+    if plan.rotary.report is not None and trainer.args.torch_compile:
         kernels["rotary_embedding"] = (
-            f"cos/sin computed once per compiled forward ({trainer.rotary_once} module(s), rotary_once)"
-            if trainer.rotary_once
+            f"cos/sin computed once per compiled forward ({plan.rotary.report} module(s), rotary_once)"
+            if plan.rotary.report
             else "no rotary embedding in this model (rotary_once)"
         )
     if trainer.fp32_outputs_dropped:
@@ -79,9 +80,9 @@ def trainer_sections(trainer) -> dict:
     elif not trainer.args.fp32_outputs and loss_reads_outputs(trainer) and (trainer.args.bf16 or trainer.args.fp16):
         kernels["model_outputs"] = "FP32 (accelerate's conversion kept: the loss is computed from the outputs)"
     return {
-        "rewire": trainer.rewire_report.to_dict() if trainer.rewire_report else None,
-        "lm_loss": trainer.loss_fusion,
-        "autotune": trainer.autotuner.report() if trainer.autotuner else [],
+        "rewire": plan.norms.report.to_dict() if plan.norms.report else None,
+        "lm_loss": plan.loss.report,
+        "autotune": plan.autotuner.report() if plan.autotuner else [],
         "kernels": kernels,
         "ddp": ddp_settings(trainer),
         "compile_cache": compile_cache_section(trainer),

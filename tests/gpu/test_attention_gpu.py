@@ -76,12 +76,12 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
     # PyTorch's choice and at least two fused backends ran it and matched FP32 math (BF16 math may not: its own
     # rounding is not a fused kernel's)
     assert len([k for k in ("flash", "cudnn", "efficient") if decision["parity_ok"].get(k)]) >= 2, decision
-    assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.sdpa_backend
-    kept = {trainer.sdpa_backend} & set(OPS)  # (nothing to see for math)
-    assert ran == (kept if trainer.sdpa_backend != "torch" else default_ran), (ran, decision)
-    assert fastest["kernels"]["attention_backend"] == trainer.sdpa_backend
-    if trainer.sdpa_backend in ("flash", "cudnn", "efficient"):  # the metrics' own profile names it from its kernels
-        assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.sdpa_backend], fastest["kernels"]["profiled"]
+    assert decision["backend"] == min(decision["times_ms"], key=decision["times_ms"].get) == trainer.plan.sdpa_backend
+    kept = {trainer.plan.sdpa_backend} & set(OPS)  # (nothing to see for math)
+    assert ran == (kept if trainer.plan.sdpa_backend != "torch" else default_ran), (ran, decision)
+    assert fastest["kernels"]["attention_backend"] == trainer.plan.sdpa_backend
+    if trainer.plan.sdpa_backend in ("flash", "cudnn", "efficient"):  # the profile names it from its kernels
+        assert fastest["kernels"]["profiled"]["sdpa"] == [trainer.plan.sdpa_backend], fastest["kernels"]["profiled"]
     assert default["kernels"]["profiled"]["sdpa"] == sorted(default_ran), default["kernels"]["profiled"]
     agreement = loss_curve_agreement(
         [h["loss"] for h in fastest["loss_history"]], [h["loss"] for h in default["loss_history"]], window=5

@@ -16,7 +16,14 @@ import torch
 
 from hf_apex import with_stages
 from hf_apex.measure.report import METRICS_FILENAME
-from tests.testing_utils import VOCAB, loss_curve_agreement, require_apex, require_cuda, tiny_model, word_tokenizer
+from tests.testing_utils import (
+    VOCAB,
+    loss_curve_agreement,
+    require_apex,
+    require_cuda,
+    tiny_model,
+    word_level_tokenizer,
+)
 
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]
 trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'hf_apex[trl]'")
@@ -57,7 +64,7 @@ def sft(trainer_cls, config_cls, family, out, **kw):
         family, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {})
     )
     trainer = trainer_cls(
-        model=model.cuda().train(), args=args, train_dataset=documents(), processing_class=word_tokenizer()
+        model=model.cuda().train(), args=args, train_dataset=documents(), processing_class=word_level_tokenizer()
     )
     trainer.train()
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
