@@ -18,6 +18,7 @@ _EXPORTS = {
     "StageConfig": "stages",
     "StageRecipe": "stages",
     "StageMetricsCallback": "measure.callback",
+    "StagePlan": "plan",
     "RewireReport": "kernels.surgery",
     "rewire": "kernels.surgery",
     "unrewire": "kernels.surgery",
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .compose import with_stages
     from .kernels.surgery import RewireReport, rewire, unrewire
     from .measure.callback import StageMetricsCallback
+    from .plan import StagePlan
     from .stages import STAGES, StageConfig, StageRecipe
     from .trainer import ApexTrainer
     from .training_args import ApexTrainingArguments

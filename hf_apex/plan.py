@@ -83,7 +83,10 @@ class Converter:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({'on' if self.report else 'off'})"
+        return f"{type(self).__name__}({self.describe()})"
+
+    def describe(self) -> str:
+        return "on" if self.report else "off"
 
 
 class FusedNorms(Converter):
@@ -115,6 +118,9 @@ class FusedNorms(Converter):
 
     def revert(self, model: nn.Module) -> None:
         unrewire(model)
+
+    def describe(self) -> str:
+        return f"{self.report.num_swapped} swapped" if self.report else "off"
 
 
 class LossWithoutLogits(Converter):
@@ -152,6 +158,11 @@ class LossWithoutLogits(Converter):
     def revert(self, model: nn.Module) -> None:
         unfuse_linear_cross_entropy(model)
 
+    def describe(self) -> str:
+        if not self.report:
+            return "off"
+        return "on" if self.report["fused_linear_cross_entropy"] else f"not used: {self.report['reason']}"
+
 
 class RotaryOnce(Converter):
     """A RoPE model's cos/sin computed once per compiled forward (the recipe's ``rotary_once``, when compiling):
@@ -169,6 +180,9 @@ class RotaryOnce(Converter):
 
     def revert(self, model: nn.Module) -> None:
         restore_rotary(model)
+
+    def describe(self) -> str:
+        return "off" if self.report is None else f"{self.report} module(s)"
 
 
 class StaticMasks(Converter):
