@@ -74,12 +74,23 @@ def _config_with_stages(base: type[TrainingArguments]) -> type:
     return mix
 
 
+def graphs_blocker(base: type[Trainer]) -> str | None:
+    """Why a Trainer subclass's steps cannot run under CUDA graphs, or None: TRL's losses select the labelled
+    positions (its own LM head), shapes known only from the data, which a graph cannot record (on an H100, torch 2.11
+    and TRL 1.16: "operation not permitted when stream is capturing" in ``masked_scatter_backward``)."""
+    owner = next((c for c in base.__mro__ if "compute_loss" in vars(c)), None)
+    if owner is not None and owner.__module__.split(".")[0] == "trl":
+        return f"{owner.__name__}.compute_loss selects the labelled positions, shapes CUDA graphs cannot record"
+    return None
+
+
 def _trainer_with_stages(base: type[Trainer]) -> type:
     namespace = {
         "__module__": __name__,
         "__qualname__": f"Apex{base.__name__}",
         "__doc__": f"``{base.__name__}`` with hf_apex's stages (:func:`hf_apex.with_stages`).",
         "ARRANGES_BATCHES": False,  # the subclass's own data pipeline (TRL tokenizes, packs and collates)
+        "GRAPHS_BLOCKED": graphs_blocker(base),
     }
     mix = type(f"Apex{base.__name__}", (ApexTrainer, base), namespace)
     globals()[mix.__qualname__] = mix

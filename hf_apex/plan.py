@@ -37,7 +37,7 @@ from .kernels.norms import is_swapped
 from .kernels.optim import apex_optimizer_cls_and_kwargs
 from .kernels.rotary import compute_rotary_once, restore_rotary
 from .kernels.surgery import RewireReport, rewire, unrewire
-from .training_args import ApexTrainingArguments, graph_norm_kernel, uses_cuda_graphs
+from .training_args import CUDA_GRAPHS_BACKEND, ApexTrainingArguments, graph_norm_kernel, uses_cuda_graphs
 
 logger = logging.getLogger("hf_apex")
 
@@ -56,6 +56,21 @@ def decide_compile(args, model: nn.Module | None, train_dataset) -> tuple:
         args = copy.copy(args)
         args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, "no", None
     return args, why_not, payback, key
+
+
+def without_cuda_graphs(args, why: str | None) -> tuple:
+    """``(args, why)``, ``args`` as they are where ``why`` is None (no reason the steps cannot run under CUDA graphs)
+    or they record none (``why`` is then None too); else a copy that compiles without them: Inductor's default mode
+    for a mode that records them, eager for the ``cudagraphs`` backend (graphs of the eager kernels)."""
+    if not (why and isinstance(args, ApexTrainingArguments) and uses_cuda_graphs(args)):
+        return args, None
+    logger.warning("hf_apex: compiling without CUDA graphs: %s.", why)
+    args = copy.copy(args)
+    if args.torch_compile_backend == CUDA_GRAPHS_BACKEND:
+        args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, "no", None
+    else:
+        args.torch_compile_mode = None
+    return args, why
 
 
 def mark_graph_steps(args, optimizer: torch.optim.Optimizer) -> None:

@@ -55,6 +55,7 @@ class ApexTrainer(Trainer):
     run that has them off)."""
 
     ARRANGES_BATCHES = True  # packing: False where a Trainer subclass has its own data pipeline (hf_apex.compose)
+    GRAPHS_BLOCKED: str | None = None  # why a subclass's steps cannot run under CUDA graphs (hf_apex.compose)
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class ApexTrainer(Trainer):
             train_dataset, eval_dataset = self.batches.train_dataset, self.batches.eval_dataset
             args, data_collator = self.batches.arguments(args), self.batches.collator
         # Decided before Trainer.__init__ hands the compile backend to accelerate for good; on a copy of yours.
+        args, self.graphs_blocked = plan.without_cuda_graphs(args, self.GRAPHS_BLOCKED)
         compiling = plan.decide_compile(args, model, train_dataset)
         args, self.compile_skipped, self.compile_payback, self._payback_key = compiling
         if isinstance(args, ApexTrainingArguments):  # (before Trainer.__init__, which builds model_init's model)

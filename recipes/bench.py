@@ -469,8 +469,8 @@ def finetune_args(name: str, stage: str, opts, out: Path, nproc: int | None = No
         "--dataloader_num_workers",
         "2",
     ]
-    if stage not in REFERENCES:  # compiled rows measure the compiled steps; the table says when compilation pays
-        args += ["--stage_recipe", '{"min_steps": 0}']
+    if "--stage" in REFERENCES.get(stage, ["--stage"]):  # a stage's compiled rows measure the compiled steps (the
+        args += ["--stage_recipe", '{"min_steps": 0}']  # table says when compilation pays); trl_sft_fastest's too
     overrides = tiny["overrides"] if opts.tiny else spec.get("overrides")
     if overrides:
         args += ["--config_overrides", overrides]

@@ -180,3 +180,20 @@ def test_a_compiled_run_lays_trls_padding_free_batches_out_as_rows_of_one_shape(
         processing_class=tokenizer,
     )
     assert eager.batches is None and type(eager.data_collator) is type(trl_collator)
+
+
+def test_trls_loss_compiles_without_cuda_graphs_and_the_metrics_say_why(tmp_path, tokenizer):
+    # TRL's loss selects the labelled positions (shapes known only from the data): under CUDA graphs its backward
+    # failed to record on an H100 (tests/gpu/test_trl_gpu.py), so a mode that records them falls back to Inductor's
+    from hf_apex.compose import graphs_blocker
+
+    assert graphs_blocker(SFTTrainer).startswith("SFTTrainer.compute_loss selects the labelled positions")
+    assert graphs_blocker(Trainer) is None and graphs_blocker(ApexTrainer) is None
+    args = sft_args(with_stages(SFTConfig), tmp_path, stage="compiled", torch_compile_mode="reduce-overhead")
+    trainer = with_stages(SFTTrainer)(
+        model=tiny_model("llama").train(), args=args, train_dataset=documents(), processing_class=tokenizer
+    )
+    assert args.torch_compile_mode == "reduce-overhead"  # (yours, untouched: the trainer's is a copy)
+    assert trainer.args.torch_compile and trainer.args.torch_compile_mode is None
+    assert trainer.graphs_blocked == graphs_blocker(SFTTrainer)
+    assert trainer.metrics_sections()["kernels"]["cuda_graphs"] == f"not used: {graphs_blocker(SFTTrainer)}"

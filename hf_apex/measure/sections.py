@@ -42,6 +42,8 @@ def trainer_sections(trainer) -> dict:
     inductor = settings.get("torch._inductor.config", {})
     if trainer.args.apex_fused_norms and trainer.args.torch_compile:
         kernels["norms_under_torch_compile"] = norms_in_graphs(trainer)
+    if trainer.graphs_blocked:
+        kernels["cuda_graphs"] = f"not used: {trainer.graphs_blocked}"
     if trainer.compile_skipped:
         kernels["torch_compile"] = f"not used: {trainer.compile_skipped}"
     elif "ban_recompute_materialized_backward" in settings.get("torch._functorch.config", {}):

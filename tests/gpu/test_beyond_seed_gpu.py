@@ -146,7 +146,8 @@ def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_pat
     """Under `fastest`'s eager_random, dropout's masks come from torch's generator inside the CUDA graphs of
     its compile mode: every replay draws new ones. A graph that replayed the masks it recorded would train every
     step under one mask."""
-    from hf_apex.policy import compiled_step_settings
+    from hf_apex.plan import StagePlan
+    from hf_apex.policy import compile_settings
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", report_to="none")
     assert args.recipe.eager_random and args.torch_compile_mode == "reduce-overhead"
@@ -156,7 +157,9 @@ def test_eager_random_draws_new_dropout_masks_on_every_cuda_graph_replay(tmp_pat
     )
     x = torch.ones(4096, 1024, device="cuda")
     masks, outputs = [], []
-    with compiled_step_settings(args, None):
+    plan = StagePlan(args)
+    plan.compile_settings = compile_settings(args, None)  # (no model: the recipe's settings alone)
+    with plan.step({}):
         for _ in range(8):  # cudagraph trees record on an early call, then replay
             torch.compiler.cudagraph_mark_step_begin()
             outputs.append(dropout(x))  # (kept: eager outputs would each take new memory)

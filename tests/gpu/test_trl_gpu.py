@@ -2,8 +2,9 @@
 TRL's packed batches laid out in one shape.
 
 Both runs see the same packed examples in the same order (TRL packs, the same seed shuffles); the stock run takes
-each batch as one flattened row, ``fastest`` as rows of ``max_length`` (hf_apex.data.as_rows), with apex's norms and
-FusedAdam, CUDA graphs and BF16 autocast in both. Tolerance: the 10-step moving averages within 3 % of each other
+each batch as one flattened row, ``fastest`` as rows of ``max_length`` (hf_apex.data.as_rows), with its compiled
+steps (without CUDA graphs, which TRL's loss cannot run under: hf_apex.compose.graphs_blocker) and BF16 autocast in
+both. Tolerance: the 10-step moving averages within 3 % of each other
 over 60 steps at learning rate 1e-3. BF16 rounds each matmul's inputs to about 0.4 %, and two optimizers that differ
 by that much a step drift apart slowly while the loss falls fast; a layout that broke the documents' masks or
 targets moves the curve by far more (the CPU test holds the per-batch loss to 1e-5 in FP32,
@@ -82,9 +83,9 @@ def test_sft_at_fastest_follows_the_stock_compiled_sft_trainer_in_one_shape(fami
         stage_recipe={"min_steps": 0},
     )
     metrics = json.loads((tmp_path / "fastest" / METRICS_FILENAME).read_text())
-    assert metrics["run"]["torch_compile_mode"] == "reduce-overhead"  # CUDA graphs
+    assert metrics["run"]["torch_compile"] and metrics["run"]["torch_compile_mode"] is None  # (no CUDA graphs:)
+    assert metrics["kernels"]["cuda_graphs"].startswith("not used: SFTTrainer.compute_loss selects the labelled")
     assert metrics["batches"]["layout"] == "rows" and metrics["batches"]["shapes_trained"] == [[ROWS, LENGTH]]
-    assert metrics["kernels"]["calls"]["optimizer"]["apex"] == STEPS
     assert len(ours) == len(stock) == STEPS
     agreement = loss_curve_agreement(ours, stock, window=10)
     assert agreement["max_rel_gap_smoothed"] < 0.03, agreement
