@@ -14,8 +14,9 @@ A stage is a list of model converters and one compile plan. ``StagePlan(args)`` 
                 ...                                      # forward, backward
             ...                                          # optimizer step (mark_graph_steps marks it for CUDA graphs)
 
-``plan.sections()`` says what each part did, for the metrics JSON. :class:`~hf_apex.ApexTrainer` is a thin adapter
-over it and ``recipes/plain_loop.py`` uses it as it is; neither decides anything of a stage itself."""
+Each converter's ``report`` says what it did (the metrics JSON's sections, :mod:`hf_apex.measure.sections`), and
+``print(plan)`` all of it. :class:`~hf_apex.ApexTrainer` is a thin adapter over it and ``recipes/plain_loop.py`` uses
+it as it is; neither decides anything of a stage itself."""
 
 from __future__ import annotations
 
