@@ -229,12 +229,20 @@ class StagePlan:
 
     ``args``: :class:`~hf_apex.ApexTrainingArguments` (the run's, as they stand after any compile decision).
     ``loss_owner``: see :class:`LossWithoutLogits`. ``autotuner``: the run's (one is made where the arguments ask
-    for timing: ``autotune``, ``attention_backend="fastest"``)."""
+    for timing: ``autotune``, ``attention_backend="fastest"``). ``hooks``: by converter name, a callable that
+    converts in its place and returns its report (a Trainer subclass's ``rewire_model``)."""
 
-    def __init__(self, args, *, loss_owner: str | None = None, autotuner: Autotuner | None = None):
-        self.args = args
+    def __init__(
+        self,
+        args,
+        *,
+        loss_owner: str | None = None,
+        autotuner: Autotuner | None = None,
+        hooks: Mapping[str, Callable] | None = None,
+    ):
+        self.args, self.hooks = args, dict(hooks or {})
         if autotuner is None and (args.autotune or args.attention_backend == "fastest"):
-            autotuner = Autotuner(DecisionCache(args.autotune_cache))
+            autotuner = Autotuner(DecisionCache())
         self.autotuner = autotuner
         self.norms = FusedNorms(args, chooser=self._choose_norm)
         self.loss = LossWithoutLogits(args, loss_owner)
@@ -249,13 +257,12 @@ class StagePlan:
         return f"StagePlan(stage={self.args.stage!r}, {parts}, compile={sorted(self.compile_settings)})"
 
     # -- the model ----------------------------------------------------------------------------------------
-    def convert(self, model: nn.Module, hooks: Mapping[str, Callable] | None = None) -> None:
+    def convert(self, model: nn.Module) -> None:
         """Every converter on ``model`` (again for each model a run builds: each one's report is the last model's),
-        then the compile plan, which depends on what they did (a loss without logits recomputes less). ``hooks``: by
-        converter name, a callable that converts in its place and returns its report (a Trainer subclass's
-        ``rewire_model``)."""
+        through its hook where it has one, then the compile plan, which depends on what they did (a loss without
+        logits recomputes less)."""
         for converter in self.converters:
-            hook = (hooks or {}).get(converter.name)
+            hook = self.hooks.get(converter.name)
             converter.report = hook(model) if hook is not None else converter.convert(model)
         self.compile_settings = policy.compile_settings(self.args, model)
 
@@ -307,7 +314,8 @@ class StagePlan:
         """Around one training step on ``inputs``: the compiler's settings (torch.compile compiles inside the first
         step), the masks decided on the host, autotune's norms trial told the optimizer steps done so far
         (``global_step``), ``first_batch()`` where given (the run's one-off decisions: :meth:`decide_on_first_batch`),
-        then the SDPA backend put first, which torch.compile traces its graph with; torch's own again after it."""
+        then the SDPA backend put first, which torch.compile traces its graph with; torch's own again after it. DDP's
+        stop on an unused parameter names the argument that lets it through."""
         with contextlib.ExitStack() as stack:
             for module, settings in self.compile_settings.items():
                 stack.enter_context(importlib.import_module(module).patch(**settings))
@@ -317,7 +325,16 @@ class StagePlan:
             if first_batch is not None:
                 first_batch()
             stack.enter_context(preferring(self.sdpa_backend))
-            yield
+            try:
+                yield
+            except RuntimeError as error:
+                if "find_unused_parameters" in str(error) and self.args.ddp_find_unused_parameters is False:
+                    raise RuntimeError(
+                        "hf_apex: DDP stopped on a parameter the previous step did not use. ApexTrainingArguments "
+                        "turn DDP's unused-parameter search off by default (ddp_find_unused_parameters=False, it "
+                        "costs every step); this model needs it: pass --ddp_find_unused_parameters true."
+                    ) from error
+                raise
 
     @contextlib.contextmanager
     def evaluation_step(self, inputs):
@@ -333,15 +350,17 @@ class StagePlan:
         inputs: Mapping,
         *,
         steps_left: int,
-        norms_in_step: bool = True,
-        attention_blocked: str | None = None,
+        sharded: bool = False,
     ) -> int:
         """The run's one-off decisions on its first batch ``inputs``, whose loss ``loss()`` computes on ``model``
-        (unwrapped): autotune's norms, timed on whole passes (where ``norms_in_step``: not under torch.compile, nor
-        where a forward on one rank would stall others), and the SDPA backend (``attention_backend="fastest"``;
-        ``attention_blocked`` says why it cannot be timed). Returns the warm-up steps the metrics must skip (a norms
-        trial's)."""
+        (unwrapped): autotune's norms, timed on whole passes (not under torch.compile, nor with activation
+        checkpointing, nor where the model is ``sharded`` by FSDP or DeepSpeed: a forward on one rank would stall the
+        others), and the SDPA backend (``attention_backend="fastest"``; not timed where sharded). Returns the warm-up
+        steps the metrics must skip (a norms trial's)."""
         warmup, args = 0, self.args
+        checkpointed = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)
+        norms_in_step = not (sharded or checkpointed or getattr(model, "is_gradient_checkpointing", False))
+        attention_blocked = "not timed under FSDP or DeepSpeed" if sharded else None
 
         def masked():
             with one_sequence_per_row(self.one_sequence_per_row(inputs)):

@@ -146,7 +146,7 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
-    if args.compile_cache:
+    if recipe.compile_cache:
         inductor["unsafe_marked_cacheable_functions"] = {
             **torch._inductor.config.unsafe_marked_cacheable_functions,
             **dict.fromkeys(AUTOCAST_REGIONS, torch.__version__),

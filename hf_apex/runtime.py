@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Mapping
 from types import MethodType
 
 import torch
+from accelerate.state import AcceleratorState
 from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.training_args import ParallelMode
+
+logger = logging.getLogger("hf_apex")
 
 
 @contextlib.contextmanager
@@ -126,6 +131,73 @@ class HostCopy:
         for event in self.events:
             event.synchronize()
         return self.values
+
+
+class DeferredLog:
+    """A logging step's log written at the end of the next step, as the stock Trainer would have written it then: its
+    loss and gradient norm are read on the host a step later (:class:`HostCopy`), so the logging step waits on no
+    device sync. Only where Trainer's ``_maybe_log_save_evaluate`` has the tested signature (:func:`can_defer_logs`);
+    not where an evaluation, a save or the end of training follows at once, under torch.distributed (the loss is
+    gathered with a collective), the NaN/Inf filter or ``auto_find_batch_size``, nor where a callback of yours reads
+    the logs (it could ask for an evaluation, a save or a stop at the logging step)."""
+
+    def __init__(self):
+        self.pending: tuple | None = None
+        self.calls: dict | None = None  # while a held log is written: the kernel call counts at its own step
+
+    def applies(self, trainer: Trainer) -> bool:
+        c, args = trainer.control, trainer.args
+        return (
+            c.should_log
+            and trainer.state.global_step > trainer._globalstep_last_logged
+            and not (c.should_evaluate or c.should_save or c.should_training_stop or c.should_epoch_stop)
+            and args.parallel_mode != ParallelMode.DISTRIBUTED
+            and args.world_size == 1
+            and not (args.logging_nan_inf_filter or args.auto_find_batch_size)
+            and not any(reads_logs(cb) for cb in trainer.callback_handler.callbacks)
+            and can_defer_logs()
+        )
+
+    def hold(self, trainer: Trainer, tr_loss: torch.Tensor, grad_norm, args: tuple, kwargs: dict) -> bool:
+        """Hold this logging step's log; False (nothing held) where it must be written now."""
+        if not self.applies(trainer):
+            return False
+        state, metrics = trainer.state, getattr(trainer, "stage_metrics", None)
+        at = state.global_step, state.epoch, state.num_input_tokens_seen
+        calls = metrics.calls() if metrics is not None else None  # (host tallies)
+        self.pending = HostCopy(tr_loss, grad_norm), at, calls, args, kwargs
+        tr_loss -= tr_loss  # as the stock log resets it (on the device, after the copy)
+        return True
+
+    def write(self, trainer: Trainer, log_save_evaluate) -> None:
+        """Write the held log through ``log_save_evaluate`` (Trainer's) as at its own step, if one is held."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        values, at, self.calls, args, kwargs = pending
+        state, control = trainer.state, trainer.control
+        now = state.global_step, state.epoch, state.num_input_tokens_seen
+        flags = control.should_log, control.should_evaluate, control.should_save
+        state.global_step, state.epoch, state.num_input_tokens_seen = at
+        control.should_log, control.should_evaluate, control.should_save = True, False, False
+        try:
+            log_save_evaluate(*values.get(), *args, **kwargs)
+        finally:
+            state.global_step, state.epoch, state.num_input_tokens_seen = now
+            control = trainer.control  # (a callback may have replaced it)
+            control.should_log, control.should_evaluate, control.should_save = flags
+            self.calls = None
+
+
+def reclaim_accelerate_state(trainer: Trainer, settings: tuple) -> None:
+    """accelerate keeps its settings (precision, compile) in one state per process, which the next ``Trainer`` built
+    overwrites: a trainer built before another would train and evaluate with the other's. Re-created when that
+    happened (as Trainer does between hyperparameter-search trials), so that each trainer runs with its own
+    ``settings`` (:func:`accelerate_settings` when it was built)."""
+    if accelerate_settings(trainer.accelerator) != settings:
+        logger.info("hf_apex: another Trainer changed accelerate's process-wide state since; this one's is back.")
+        AcceleratorState._reset_state()  # (the process's distributed state, PartialState, stays)
+        trainer.create_accelerator_and_postprocess()
 
 
 # ApexTrainer defers a logging step's log through Trainer._maybe_log_save_evaluate, a private method: it does so only

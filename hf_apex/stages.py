@@ -41,9 +41,15 @@ class StageRecipe:
             Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
             (:mod:`hf_apex.kernels.projections`); the same dot products. ``"auto"``: the same except in a causal LM,
             where it slowed the Llama-architecture model. ``"false"``: off.
+        compile_cache: *compiled*: the run loads the compiled work saved by an earlier run of the same model, stage
+            and environment before it compiles, and saves its own after the metrics warm-up, in a ``compiled/``
+            folder beside the autotune cache (``$HF_APEX_CACHE``, default ``~/.cache/hf_apex/``;
+            :mod:`hf_apex.autotune.compiled`).
         static_masks: every run: an all-ones ``attention_mask`` is left out of the batches and SDPA's masks are
             decided without reading a tensor (:data:`hf_apex.kernels.attention.STATIC_MASKS`): no host-device sync,
             SDPA's ``is_causal`` under ``torch.compile``; the same attention.
+        fp32_outputs: every run under autocast: accelerate's FP32 copy of the model's training outputs (the logits)
+            is kept. Off, they stay in the autocast dtype; the loss is FP32 either way.
     """
 
     min_steps: int = 0
@@ -51,9 +57,11 @@ class StageRecipe:
     rotary_once: bool = False
     eager_random: bool = False
     fuse_projections: str = "false"
+    compile_cache: bool = True
     static_masks: bool = True
+    fp32_outputs: bool = False
 
-    COMPILED = ("min_steps", "recompute_pointwise", "rotary_once", "eager_random", "fuse_projections")
+    COMPILED = ("min_steps", "recompute_pointwise", "rotary_once", "eager_random", "fuse_projections", "compile_cache")
 
     def __post_init__(self):
         for name in ("recompute_pointwise", "fuse_projections"):

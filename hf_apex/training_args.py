@@ -119,9 +119,10 @@ class ApexTrainingArguments(TrainingArguments):
             that contradicts one is a `ValueError`, except `torch_compile_mode`, `torch_compile_backend` and
             `attention_backend`, whose stage values are defaults. `None` leaves every switch to you.
         stage_recipe (`dict`, `str` or `None`, *optional*, defaults to `None`):
-            Overrides of the stage's `StageRecipe` (how it compiles and builds attention masks), as a dict or JSON,
-            e.g. `'{"fuse_projections": "false", "min_steps": 0}'`. After `__post_init__` it holds the whole recipe
-            the run uses; `args.recipe` is the same as a `StageRecipe`.
+            Overrides of the stage's `StageRecipe` (how it compiles, reuses compiled work, builds attention masks and
+            returns outputs under autocast), as a dict or JSON, e.g. `'{"min_steps": 0, "compile_cache": false}'`.
+            After `__post_init__` it holds the whole recipe the run uses; `args.recipe` is the same as a
+            `StageRecipe`.
         amp_dtype (`str`, *optional*, defaults to `"bf16"`):
             Autocast dtype of the mixed-precision stages: `"bf16"`, or `"fp16"` (with a GradScaler).
         apex_optimizer (`str`, *optional*, defaults to `"none"`):
@@ -134,17 +135,13 @@ class ApexTrainingArguments(TrainingArguments):
             Raise instead of falling back to the torch op when an apex kernel is missing or cannot run.
         autotune (`bool`, *optional*, defaults to `False`):
             Time apex against torch per component switched on, on this GPU, and use the faster; decisions cached
-            in `autotune_cache` (default `$HF_APEX_CACHE` or `~/.cache/hf_apex/autotune.json`) and checkpoints.
+            in `$HF_APEX_CACHE` (default `~/.cache/hf_apex/autotune.json`) and in checkpoints.
         fused_linear_cross_entropy (`bool`, *optional*, defaults to `False`):
             A causal LM's training loss computed chunk by chunk from the LM head, without FP32 logits (the same
             maths as transformers' loss); other models, and FP16 autocast, keep theirs.
         attention_backend (`str` or `None`, *optional*, defaults to `None`):
             The SDPA backend put first: `"flash"`, `"cudnn"`, `"efficient"`, `"math"`, or `"fastest"` (each one
             that can run the model's first attention call timed on the first batch). `None`: PyTorch's choice.
-        compile_cache (`bool`, *optional*, defaults to `True`):
-            A run that compiles loads the compiled work saved by an earlier run of the same model, stage and
-            environment before it compiles, and saves its own after the metrics warm-up: files in a `compiled/`
-            folder beside `autotune_cache` (default `~/.cache/hf_apex/compiled/`).
         stage_metrics (`bool`, *optional*, defaults to `True`):
             Per-step time, tokens/s, MFU, peak memory and kernel counts in the logs, and a run summary in
             `<output_dir>/hf_apex_metrics.json`.
@@ -162,8 +159,6 @@ class ApexTrainingArguments(TrainingArguments):
             one length. `None` or `"off"`: the batches as your collator makes them. The `fastest` stage sets `auto`.
         packing_length (`int` or `None`, *optional*, defaults to `None`):
             Tokens per packed row (`packing="documents"`); default: the model's maximum positions, at most 1024.
-        fp32_outputs (`bool`, *optional*, defaults to `False`):
-            Under autocast, keep accelerate's FP32 copy of the model's outputs (the loss is FP32 either way).
 
     > [!NOTE]
     > Defaults that differ from `TrainingArguments`, so that the loop never waits on the GPU and DDP does no work
@@ -230,19 +225,8 @@ class ApexTrainingArguments(TrainingArguments):
             "choices": list(ATTENTION_CHOICES),
         },
     )
-    autotune_cache: str | None = field(
-        default=None,
-        metadata={"help": "Autotune decision cache (default $HF_APEX_CACHE or ~/.cache/hf_apex/autotune.json)."},
-    )
     stage_metrics: bool = field(
         default=True, metadata={"help": "Record per-step stage metrics and write <output_dir>/hf_apex_metrics.json."}
-    )
-    compile_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "A run that compiles loads, then saves, torch's compile-cache artifacts for its model, stage and "
-            "environment, in a compiled/ folder beside the autotune cache (default ~/.cache/hf_apex/compiled/)."
-        },
     )
     metrics_warmup_steps: int = field(
         default=5,
@@ -255,13 +239,6 @@ class ApexTrainingArguments(TrainingArguments):
     )
     profile_kernels: bool = field(
         default=True, metadata={"help": "On CUDA, profile one warm-up step to record which apex kernels ran."}
-    )
-    fp32_outputs: bool = field(
-        default=False,
-        metadata={
-            "help": "Under autocast, let accelerate convert the model's training outputs (the logits) to FP32 after "
-            "each forward. Off: they stay in the autocast dtype; the loss is FP32 either way."
-        },
     )
     packing: str | None = field(
         default=None,

@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
 from tests.testing_utils import REQUIRE_KERNELS, missing_kernels
 
 
+@pytest.fixture
+def own_hf_apex_cache(tmp_path_factory, monkeypatch):
+    """This test's own hf_apex cache file (``$HF_APEX_CACHE``), apart from the session's: what autotune decided and
+    which runs were measured in another test cannot change what this one runs. Its path."""
+    path = tmp_path_factory.mktemp("hf_apex_cache") / "autotune.json"
+    monkeypatch.setenv("HF_APEX_CACHE", str(path))
+    return path
+
+
 def pytest_runtest_setup(item):
     if REQUIRE_KERNELS and item.get_closest_marker("gpu") and (why := missing_kernels()):
         pytest.fail(f"HF_APEX_REQUIRE_KERNELS=1 but apex's kernels cannot run here: {why}", pytrace=False)

@@ -252,7 +252,7 @@ def test_the_fastest_stage_times_the_attention_and_a_value_of_yours_wins(tmp_pat
 
 def train(tmp_path, name: str, **kw):
     """A tiny Llama trained 4 steps; then the SDPA kernels one more training step and an evaluation run."""
-    args = train_args(tmp_path / name, max_steps=4, autotune_cache=str(tmp_path / "cache.json"), **kw)
+    args = train_args(tmp_path / name, max_steps=4, **kw)
     data = TokenDataset()
     trainer = ApexTrainer(model=tiny_model("llama").train(), args=args, train_dataset=data, eval_dataset=data)
     if trainer.autotuner is not None:  # CUDA events cannot time CPU work: a timer that makes math the fastest
@@ -264,7 +264,7 @@ def train(tmp_path, name: str, **kw):
     return trainer, step, sdpa_ops(trainer.evaluate), [h["loss"] for h in metrics["loss_history"]], metrics
 
 
-def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
+def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path, own_hf_apex_cache):
     _, step, evaluation, losses, metrics = train(tmp_path, "default")
     assert step == evaluation == {CPU_FLASH_OP} and "attention_backend" not in metrics["kernels"]
     trainer, step, evaluation, fastest_losses, metrics = train(tmp_path, "fastest", attention_backend="fastest")
@@ -278,11 +278,11 @@ def test_the_trainer_trains_and_evaluates_with_the_backend_it_chose(tmp_path):
     assert metrics["autotune"] == [] and named_losses == pytest.approx(losses, rel=1e-5)
 
 
-def test_a_model_in_eval_mode_is_timed_on_its_training_call(tmp_path):
+def test_a_model_in_eval_mode_is_timed_on_its_training_call(tmp_path, own_hf_apex_cache):
     """from_pretrained returns a model in eval mode; the attention is timed as the training steps run it, with
     dropout."""
     model = tiny_model("gpt2")  # eval mode
-    args = train_args(tmp_path, max_steps=2, attention_backend="fastest", autotune_cache=str(tmp_path / "c.json"))
+    args = train_args(tmp_path, max_steps=2, attention_backend="fastest")
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
     trainer.autotuner.timer = fake_timer({"torch": 2.0, "math": 1.0})
     trainer.train()
@@ -291,7 +291,7 @@ def test_a_model_in_eval_mode_is_timed_on_its_training_call(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])  # (on a CPU Inductor records no CUDA graphs)
-def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path, mode):
+def test_under_torch_compile_the_graph_is_traced_with_the_chosen_backend(tmp_path, mode, own_hf_apex_cache):
     kw = dict(attention_backend="fastest", torch_compile=True, torch_compile_mode=mode)
     trainer, step, evaluation, _, metrics = train(tmp_path, "c", **kw)
     assert metrics["run"]["torch_compile"] and metrics["run"]["torch_compile_mode"] == mode

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import types
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from hf_apex.kernels.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 from tests.testing_utils import TokenDataset, tiny_model
+
+# Each test its own autotune cache: a decision cached by one test would change what the next one runs.
+pytestmark = pytest.mark.usefixtures("own_hf_apex_cache")
 
 
 class FakeTimer:
@@ -226,7 +230,6 @@ def auto_args(out, **kw):
         save_strategy="no",
         metrics_warmup_steps=1,
         disable_tqdm=True,
-        autotune_cache=str(out.parent / "cache.json"),
         learning_rate=1e-3,
         seed=0,
     )
@@ -282,7 +285,7 @@ def test_a_resumed_run_keeps_the_optimizer_of_its_checkpoint(fake_apex, tmp_path
     straight.train()
     assert json.loads((tmp_path / "run" / "checkpoint-2" / autotune.STATE_FILE).read_text())["optimizer"] == "apex"
 
-    (tmp_path / "cache.json").unlink()
+    Path(os.environ["HF_APEX_CACHE"]).unlink()
     fix_timings(monkeypatch, {"apex": 2.0, "torch": 1.0})  # another machine, where torch would win
     resumed = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
@@ -495,7 +498,7 @@ def test_a_tie_on_whole_steps_is_not_cached_and_the_next_run_checks_again(fake_a
         passes, steps = run(name)
         assert (passes["backend"], passes["cached"], steps["cached"]) == (APEX, False, False)
         assert steps["times_ms"][APEX] == steps["times_ms"][TORCH] > 0 and "a tie" in steps["reason"]
-        cached = json.loads((tmp_path / "cache.json").read_text())
+        cached = _cache()
         assert not [e for e in cached.values() if e["key"].get("component") == "norms"]
 
 
@@ -530,10 +533,10 @@ def test_the_plain_loop_checks_the_norms_on_whole_steps_as_the_trainer_does(
     flags = bench.finetune_args("gpt2", "auto", opts, tmp_path / "run", nproc=1)
     flags[flags.index("--tokenizer_name") + 1] = word_tokenizer
     flags[flags.index("--config_overrides") + 1] += ",vocab_size=128"  # (the word tokenizer's: no 50k-wide logits)
-    flags += ["--autotune_cache", str(tmp_path / "cache.json"), "--bf16", "false"]
+    flags += ["--bf16", "false"]
     result = plain_loop.main(str(tmp_path / "plain.json"), flags)
     assert len(result["steps_ms"]) == steps and result["warmup_steps"] == autotune.TRIAL_WARMUP
-    (verdict,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
+    (verdict,) = [e for e in _cache().values() if e["key"]["component"] == "norms"]
     assert verdict["key"]["decided_on"] == "whole steps" and verdict["backend"] == TORCH
     assert verdict["times_ms"][APEX] == 4 * verdict["times_ms"][TORCH] > 0  # the steps, as the fake clock timed them
 
@@ -556,11 +559,11 @@ def test_a_run_that_stops_during_the_trial_keeps_the_passes_choice(fake_apex, tm
     assert trainer.autotuner.memo["norms"] == APEX
     trainer.model(input_ids=TokenDataset()[0]["input_ids"][None])  # the next call takes the passes' choice
     assert "kernel=apex)" in repr(trainer.model) and "torch" not in repr(trainer.model)
-    assert [e["key"]["component"] for e in _cache(tmp_path).values()] == ["optimizer"]  # nothing on the norms
+    assert [e["key"]["component"] for e in _cache().values()] == ["optimizer"]  # nothing on the norms
 
 
-def _cache(tmp_path) -> dict:
-    path = tmp_path / "cache.json"
+def _cache() -> dict:
+    path = Path(os.environ["HF_APEX_CACHE"])
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -571,7 +574,7 @@ def test_the_norm_timing_leaves_training_untouched(fake_apex, tmp_path, monkeypa
     fix_timings(monkeypatch, {"apex": 1.0, "torch": 2.0})
 
     def losses(name, stage):
-        args = auto_args(tmp_path / name, stage=stage, logging_steps=1, autotune_cache=str(tmp_path / name / "c.json"))
+        args = auto_args(tmp_path / name, stage=stage, logging_steps=1)
         trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
         trainer.train()
         return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -599,7 +602,7 @@ def test_a_long_run_whose_passes_leave_one_backend_caches_it_without_a_trial(fak
     trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     trainer.train()
     assert [d.backend for d in trainer.autotuner.decisions if d.component == "norms"] == [TORCH]
-    (entry,) = [e for e in _cache(tmp_path).values() if e["key"]["component"] == "norms"]
+    (entry,) = [e for e in _cache().values() if e["key"]["component"] == "norms"]
     assert entry["backend"] == TORCH and entry["key"]["decided_on"] == "whole steps"
 
 

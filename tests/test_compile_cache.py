@@ -1,7 +1,7 @@
 """Compiled work reused between runs (hf_apex.autotune.compiled): a cold run writes torch's compile-cache artifacts
 beside the autotune cache, a later process with empty Inductor caches loads them and is warm (FX graph and AOTAutograd
-caches hit, nothing bypassed); compile_cache=False writes nothing; a corrupt file is a warning, never a crash; the
-file's key follows the model and the stage. Also: fp32_matmul_precision under torch's per-backend API, and
+caches hit, nothing bypassed); the recipe's compile_cache=False writes nothing; a corrupt file is a warning, never a
+crash; the file's key follows the model and the stage. Also: fp32_matmul_precision under torch's per-backend API, and
 run.to_step_10_s / to_step_10_of."""
 
 import json
@@ -24,7 +24,7 @@ from tests.testing_utils import TokenDataset, tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 # One tiny Llama (hidden 64, 2 layers: a rotary autocast region, hf_apex's fused loss) trained through ApexTrainer
-# with Inductor on the CPU, in a process of its own. argv: output_dir, autotune_cache, stage.
+# with Inductor on the CPU, in a process of its own. argv: output_dir, stage; $HF_APEX_CACHE: its autotune cache.
 WORKER = """
 import sys
 import transformers
@@ -32,9 +32,9 @@ from hf_apex import ApexTrainer
 from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, tiny_model
 
-out, cache, stage = sys.argv[1:4]
+out, stage = sys.argv[1:3]
 model = tiny_model("llama", hidden_size=64, intermediate_size=128, head_dim=32).train()
-args = train_args(out, stage=stage, stage_recipe={"min_steps": 0}, max_steps=3, autotune_cache=cache)
+args = train_args(out, stage=stage, stage_recipe={"min_steps": 0}, max_steps=3)
 ApexTrainer(model=model, args=args, train_dataset=TokenDataset()).train()
 """
 
@@ -48,9 +48,10 @@ def compiled_run(tmp: Path, name: str, autotune_cache: Path, stage: str = "faste
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
         "TRITON_CACHE_DIR": str(inductor / "triton"),
         "PYTHONPATH": str(REPO),
+        "HF_APEX_CACHE": str(autotune_cache),
     }
     done = subprocess.run(
-        [sys.executable, "-c", WORKER, str(out), str(autotune_cache), stage],
+        [sys.executable, "-c", WORKER, str(out), stage],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -99,32 +100,31 @@ def test_corrupt_artifacts_are_a_warning_and_rewritten(cold_run):
     assert bad.read_bytes() != garbage and bad.stat().st_size == section["saved_bytes"]
 
 
-def test_compile_cache_off_writes_nothing(tmp_path):
+def test_compile_cache_off_writes_nothing(tmp_path, monkeypatch):
     autotune_cache = tmp_path / "autotune" / "autotune.json"
+    monkeypatch.setenv("HF_APEX_CACHE", str(autotune_cache))
     args = train_args(
         tmp_path / "out",
         stage="fastest",
-        stage_recipe={"min_steps": 0},
+        stage_recipe={"min_steps": 0, "compile_cache": False},
         torch_compile_backend="aot_eager",
         max_steps=3,
-        autotune_cache=str(autotune_cache),
-        compile_cache=False,
     )
     trainer = ApexTrainer(model=tiny_model("gpt2").train(), args=args, train_dataset=TokenDataset())
     trainer.train()
     metrics = json.loads((tmp_path / "out" / METRICS_FILENAME).read_text())
     payback = {"min_steps": 0, "source": "recipe"}  # (min_steps 0: compiled whatever was measured)
-    assert metrics["compile_cache"] == {"state": "off", "why": "compile_cache=False", "payback": payback}
+    assert metrics["compile_cache"] == {"state": "off", "why": "stage_recipe compile_cache=False", "payback": payback}
     assert trainer.compile_cache is None
     assert not (autotune_cache.parent / "compiled").exists()
 
 
-def test_artifacts_key_follows_model_and_stage(tmp_path):
-    cache = str(tmp_path / "autotune.json")
+def test_artifacts_key_follows_model_and_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_APEX_CACHE", str(tmp_path / "autotune.json"))
 
     def path(stage="fastest", **config):
         settings = {k: config.pop(k) for k in ("stage_recipe", "torch_compile_mode") if k in config}
-        args = train_args(tmp_path, stage=stage, autotune_cache=cache, **settings)
+        args = train_args(tmp_path, stage=stage, **settings)
         return artifacts_path(args, tiny_model("llama", **config))
 
     base = path()
@@ -139,7 +139,7 @@ def test_artifacts_key_follows_model_and_stage(tmp_path):
     # the checkpoint's name is not part of the key: two checkpoints of one architecture compile the same graphs
     model = tiny_model("llama")
     model.config._name_or_path = "somewhere/else"
-    args = train_args(tmp_path, stage="fastest", autotune_cache=cache)
+    args = train_args(tmp_path, stage="fastest")
     assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
     model.config.use_cache = False  # (as the Trainer sets it from its arguments, after a run's key is taken)
     assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
@@ -177,10 +177,11 @@ def test_to_step_10(steps, tmp_path):
     assert run["to_step_10_s"] < run["wall_time_s"]
 
 
-def test_runs_measure_when_compiling_repays_and_later_runs_decide_by_it(tmp_path):
+def test_runs_measure_when_compiling_repays_and_later_runs_decide_by_it(tmp_path, monkeypatch):
     """Each run records its median step and its first steps' extra cost in the autotune cache (eager where it did not
     compile, cold or warm where it did); a later run of the same key compiles only when its steps repay that."""
     cache = tmp_path / "autotune.json"
+    monkeypatch.setenv("HF_APEX_CACHE", str(cache))
     model = tiny_model("gpt2").train()
 
     def trainer(steps: int, **recipe):
@@ -190,7 +191,6 @@ def test_runs_measure_when_compiling_repays_and_later_runs_decide_by_it(tmp_path
             stage_recipe=recipe,
             torch_compile_backend="aot_eager",
             max_steps=steps,
-            autotune_cache=str(cache),
         )
         return ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
 
@@ -199,7 +199,7 @@ def test_runs_measure_when_compiling_repays_and_later_runs_decide_by_it(tmp_path
     assert "fewer than the stage recipe's min_steps=500" in short.compile_skipped
     short.train()
     trainer(4, min_steps=0).train()  # compiles: measured as cold (this run's compile-cache state)
-    asked = train_args(tmp_path, stage="fastest", torch_compile_backend="aot_eager", autotune_cache=str(cache))
+    asked = train_args(tmp_path, stage="fastest", torch_compile_backend="aot_eager")
     key = compiled.payback_key(asked, model)  # (of what the runs asked for: the eager one's args are a copy)
     (record,) = [v for v in json.loads(cache.read_text()).values() if v.get("key") == key]
     assert set(record) == {"key", "eager", "cold"}

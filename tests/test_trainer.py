@@ -634,7 +634,7 @@ def _logged_run(tmp_path, defer=True, fail_at_step_end=None, callbacks=(), **kw)
     for callback in callbacks:
         trainer.add_callback(callback)
     if not defer:
-        trainer._defers_log = lambda: False
+        trainer._deferred_log.applies = lambda trainer: False
     try:
         loss = trainer.train().training_loss
     except RuntimeError:
@@ -893,7 +893,7 @@ def test_training_outputs_stay_in_the_autocast_dtype_unless_asked(fp32_outputs, 
     step); ApexTrainer leaves that out, keeping the autocast and the FP32 loss the model computes."""
     model = tiny_model("gpt2").train()
     seen = _output_dtypes(model)
-    args = train_args(tmp_path, stage="torch_fused", max_steps=2, fp32_outputs=fp32_outputs)
+    args = train_args(tmp_path, stage="torch_fused", max_steps=2, stage_recipe={"fp32_outputs": fp32_outputs})
     trainer = ApexTrainer(model=model, args=args, train_dataset=TokenDataset())
     trainer.train()
     logits = torch.float32 if fp32_outputs else torch.bfloat16
@@ -903,7 +903,7 @@ def test_training_outputs_stay_in_the_autocast_dtype_unless_asked(fp32_outputs, 
     seen.clear()
     trainer.train()  # a second run of the same trainer: the model is prepared once, the dtype is kept and reported
     assert seen == [(logits, torch.float32)] * 2 and trainer.fp32_outputs_dropped is not fp32_outputs
-    trainer.args.fp32_outputs = not fp32_outputs  # and a later run that asks for the other gets it
+    trainer.args.stage_recipe["fp32_outputs"] = not fp32_outputs  # and a later run that asks for the other gets it
     seen.clear()
     trainer.train()
     assert seen == [(torch.bfloat16 if fp32_outputs else torch.float32, torch.float32)] * 2

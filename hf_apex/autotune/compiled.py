@@ -46,10 +46,10 @@ CACHES = {"fxgraph_cache": ("inductor", "fxgraph_cache_"), "aot_autograd_cache":
 OUTCOMES = ("hit", "miss", "bypass")
 
 
-def compiled_dir(autotune_cache: str | os.PathLike | None = None) -> Path:
-    """The ``compiled/`` folder beside the autotune cache (``autotune_cache``, else ``$HF_APEX_CACHE``, else
+def compiled_dir() -> Path:
+    """The ``compiled/`` folder beside the autotune cache (``$HF_APEX_CACHE``, else
     ``~/.cache/hf_apex/autotune.json``)."""
-    return Path(autotune_cache or default_cache_path()).parent / "compiled"
+    return default_cache_path().parent / "compiled"
 
 
 def config_hash(model) -> str | None:
@@ -83,7 +83,7 @@ def key_parts(args, model) -> dict:
 
 def artifacts_path(args, model) -> Path:
     """The file of compile-cache artifacts for this run's key (:func:`key_parts`)."""
-    return compiled_dir(args.autotune_cache) / f"{DecisionCache.key(key_parts(args, model))[:20]}.bin"
+    return compiled_dir() / f"{DecisionCache.key(key_parts(args, model))[:20]}.bin"
 
 
 def cache_counters() -> dict[str, dict[str, int]]:
@@ -109,6 +109,20 @@ class CompileCache(TrainerCallback):
         self.loaded_s: float | None = None
         self.saved_bytes: int | None = None
         self._counters_at_start: dict = {}
+
+    @classmethod
+    def for_run(cls, trainer, run: contextlib.ExitStack) -> CompileCache | None:
+        """The cache of a trainer's run that compiles with ``compile_cache`` on (None otherwise): it loads at the start
+        of training, saves after the metrics warm-up and again when ``run`` ends, and leaves the trainer then."""
+        args = trainer.args
+        if not (args.torch_compile and args.recipe.compile_cache):
+            return None
+        cache = cls(args, save_at=args.metrics_warmup_steps)
+        cache.begin(run)
+        trainer.add_callback(cache)
+        run.callback(trainer.remove_callback, cache)
+        run.callback(cache.save)  # (first: what an evaluation at the end compiled)
+        return cache
 
     def begin(self, run: contextlib.ExitStack) -> None:
         """Record this run's artifacts apart from the process's (torch's record is put back when ``run`` ends)."""
@@ -201,8 +215,8 @@ def compile_payback(args, model) -> dict:
     key = payback_key(args, model)
     if not args.recipe.min_steps or key is None:
         return prior
-    record = DecisionCache(args.autotune_cache).get(key) or {}
-    state = "warm" if args.compile_cache and artifacts_path(args, model).is_file() else "cold"
+    record = DecisionCache().get(key) or {}
+    state = "warm" if args.recipe.compile_cache and artifacts_path(args, model).is_file() else "cold"
     eager = record.get("eager")
     compiled = record.get(state) or record.get("cold")  # (no warm measure yet: the cold one, the dearer)
     if not (eager and compiled):
@@ -229,7 +243,7 @@ def record_payback(args, key: dict | None, summary: dict | None, state: str | No
     if key is None or not step_ms or run.get("to_step_10_s") is None or not run.get("timed_steps"):
         return
     overhead_s = run["to_step_10_s"] - run["to_step_10_of"] * step_ms / 1e3
-    cache = DecisionCache(args.autotune_cache)
+    cache = DecisionCache()
     record = {k: v for k, v in (cache.get(key) or {}).items() if k != "key"}
     record[state or "eager"] = {"step_ms": round(step_ms, 3), "overhead_s": round(overhead_s, 3)}
     cache.put(key, record)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .availability import has_mm_out_dtype, has_triton_ops
+from .swap import Swap, restore, stock_class, swap
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
@@ -315,7 +316,7 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-class _FusedLossLM:
+class _FusedLossLM(Swap):
     """The forward of a model whose training loss is :func:`causal_lm_loss` (mixed in before its own class)."""
 
     def forward(self, *args, labels=None, **kwargs):
@@ -342,27 +343,17 @@ class _FusedLossLM:
     def extra_repr(self) -> str:
         return "training loss: chunked LM head + cross-entropy (hf_apex; no FP32 logits, vocabulary padded to x64)"
 
-    def __reduce_ex__(self, protocol):  # pickles as the stock class plus the swap
-        return _rebuild, (stock_model_class(self),), self.__getstate__()
+    @classmethod
+    def swap_members(cls, stock_cls: type) -> dict:
+        """The stock class's name, which ``save_pretrained`` writes into ``config.architectures`` for other tools to
+        load by, and its forward's signature and docs: the Trainer keeps the dataset columns that the signature
+        names. ``print(model)`` shows the swap in its first line inside."""
 
+        @functools.wraps(stock_cls.forward)
+        def forward(self, *args, **kwargs):
+            return _FusedLossLM.forward(self, *args, **kwargs)
 
-@functools.cache
-def fused_loss_class(stock_cls: type) -> type:
-    """The class a fused model takes: ``stock_cls`` with :class:`_FusedLossLM`'s forward. It keeps the stock
-    class's name, which ``save_pretrained`` writes into ``config.architectures`` for other tools to load by;
-    ``print(model)`` shows the swap in its first line inside."""
-
-    # The stock forward's signature and docs: the Trainer keeps the dataset columns that the signature names.
-    @functools.wraps(stock_cls.forward)
-    def forward(self, *args, **kwargs):
-        return _FusedLossLM.forward(self, *args, **kwargs)
-
-    members = {"__module__": stock_cls.__module__, "__qualname__": stock_cls.__qualname__, "forward": forward}
-    return type(stock_cls.__name__, (_FusedLossLM, stock_cls), members)
-
-
-def _rebuild(stock_cls: type) -> nn.Module:
-    return object.__new__(fused_loss_class(stock_cls))
+        return {**super().swap_members(stock_cls), "forward": forward}
 
 
 def is_fused(model: nn.Module) -> bool:
@@ -370,10 +361,9 @@ def is_fused(model: nn.Module) -> bool:
 
 
 def stock_model_class(model: nn.Module) -> type:
-    """The class ``model`` had before :func:`fuse_linear_cross_entropy` (the one after the mixin; wrappers that
-    subclassed it since, such as FSDP2's, come before)."""
-    mro = type(model).__mro__
-    return mro[mro.index(_FusedLossLM) + 1] if _FusedLossLM in mro else type(model)
+    """The class ``model`` had before :func:`fuse_linear_cross_entropy` (wrappers that subclassed the swapped class
+    since, such as FSDP2's, are not it)."""
+    return stock_class(model, _FusedLossLM) or type(model)
 
 
 def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
@@ -383,7 +373,7 @@ def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
         return None
     reason = unsupported(model)
     if reason is None:
-        model.__class__ = fused_loss_class(type(model))
+        swap(model, _FusedLossLM)
         _register_row_kernel()  # (here, before torch.compile traces the loss)
     return reason
 
@@ -391,9 +381,4 @@ def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
 def unfuse_linear_cross_entropy(model: nn.Module) -> bool:
     """Give ``model`` back its stock class; False (and nothing done) where a wrapper (FSDP2's) has subclassed the
     fused class since, which only that wrapper could undo."""
-    if not is_fused(model):
-        return True
-    if type(model).__bases__[0] is not _FusedLossLM:
-        return False
-    model.__class__ = stock_model_class(model)
-    return True
+    return not is_fused(model) or restore(model, _FusedLossLM)

@@ -32,7 +32,9 @@ import logging
 import torch
 from torch import nn
 
+from . import swap
 from .availability import blocker, fix_for
+from .swap import Swap
 from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
@@ -143,7 +145,7 @@ def _warn_fallback(component: str, reason: str) -> None:  # once per process and
     )
 
 
-class _ApexNorm:
+class _ApexNorm(Swap):
     """What every swapped norm shares: routing, counting, printing and pickling. Subclasses say which
     component they are and how to call the kernel (``hf_apex_kernel``)."""
 
@@ -251,11 +253,18 @@ class _ApexNorm:
             return "stock op inside torch.compile"
         return "apex or torch, autotuned" if self.hf_apex_chooser is not None else "apex"
 
-    # Pickle as "this stock class, swapped": loads wherever hf_apex imports, whatever the class is called. What
-    # this process decided (routes, the chooser, apex's op in graphs) stays here: the loading process decides again.
-    def __reduce_ex__(self, protocol):
-        state = {k: v for k, v in self.__dict__.items() if k not in PROCESS_ATTRIBUTES}
-        return _rebuild, (stock_class(self), _kind(type(self))), state
+    @classmethod
+    def swap_members(cls, stock_cls: type) -> dict:
+        name = f"ApexFused{stock_cls.__name__}"
+        if name in _NAMES:  # another stock class of the same name (a fork of a model family, say)
+            name = f"{name}_{stock_cls.__module__.replace('.', '_')}"
+        _NAMES.add(name)
+        return {"__module__": __name__, "__qualname__": name, "__name__": name}
+
+    # What this process decided (routes, the chooser, apex's op in graphs) is not pickled: the loading process decides
+    # again.
+    def swap_state(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in PROCESS_ATTRIBUTES}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -333,10 +342,6 @@ KINDS = {
 }
 
 
-def _kind(cls: type) -> str:
-    return next(name for name, mixin in KINDS.items() if issubclass(cls, mixin))
-
-
 def rms_norm_eps(module: nn.Module) -> float:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
@@ -359,18 +364,9 @@ PROCESS_ATTRIBUTES = SWAP_ATTRIBUTES[2:]
 _NAMES: set[str] = set()
 
 
-@functools.cache
 def swapped_class(stock_cls: type, kind: str) -> type:
     """The apex-backed subclass of ``stock_cls`` for ``kind`` (one class per pair; names are unique)."""
-    name = f"ApexFused{stock_cls.__name__}"
-    if name in _NAMES:  # another stock class of the same name (a fork of a model family, say)
-        name = f"{name}_{stock_cls.__module__.replace('.', '_')}"
-    _NAMES.add(name)
-    return type(name, (KINDS[kind], stock_cls), {"__module__": __name__, "__qualname__": name})
-
-
-def _rebuild(stock_cls: type, kind: str) -> nn.Module:
-    return object.__new__(swapped_class(stock_cls, kind))
+    return swap.swapped_class(KINDS[kind], stock_cls)
 
 
 ApexFusedLayerNorm = swapped_class(nn.LayerNorm, "layer_norm")
@@ -378,10 +374,7 @@ ApexFusedLayerNorm = swapped_class(nn.LayerNorm, "layer_norm")
 
 def stock_class(module: nn.Module) -> type | None:
     """The original class of a swapped module, or None when ``module`` is not swapped."""
-    cls = type(module)
-    if not issubclass(cls, _ApexNorm):
-        return None
-    return next(base for base in cls.__mro__[1:] if not issubclass(base, _ApexNorm) and base is not object)
+    return swap.stock_class(module, _ApexNorm)
 
 
 def is_swapped(module: nn.Module) -> bool:

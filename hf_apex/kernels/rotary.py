@@ -15,10 +15,10 @@ last bit of FP32. Eager forwards are the stock ones. ``print(model)`` shows the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from .swap import Swap, restore, swap
 
 
 @torch.library.custom_op("hf_apex::materialize", mutates_args=())
@@ -35,7 +35,7 @@ def _(x):
 materialize.register_autograd(lambda ctx, grad: grad)
 
 
-class _RotaryOnce:
+class _RotaryOnce(Swap):
     """The forward of a rotary embedding whose outputs are materialised under torch.compile (mixed in first)."""
 
     def forward(self, *args, **kwargs):
@@ -48,24 +48,6 @@ class _RotaryOnce:
         stock = super().extra_repr()
         return (stock + ", " if stock else "") + "cos/sin computed once per compiled forward (hf_apex)"
 
-    def __reduce_ex__(self, protocol):  # pickles as the stock class plus the swap
-        return _rebuild, (_stock_class(type(self)),), self.__getstate__()
-
-
-@functools.cache
-def rotary_once_class(stock_cls: type) -> type:
-    members = {"__module__": stock_cls.__module__, "__qualname__": stock_cls.__qualname__}
-    return type(stock_cls.__name__, (_RotaryOnce, stock_cls), members)
-
-
-def _stock_class(cls: type) -> type:
-    mro = cls.__mro__
-    return mro[mro.index(_RotaryOnce) + 1]
-
-
-def _rebuild(stock_cls: type) -> nn.Module:
-    return object.__new__(rotary_once_class(stock_cls))
-
 
 def is_rotary_embedding(module: nn.Module) -> bool:
     """A transformers rotary embedding: a module named ``...RotaryEmbedding`` holding ``inv_freq``."""
@@ -77,8 +59,7 @@ def compute_rotary_once(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if is_rotary_embedding(module):
-            if not isinstance(module, _RotaryOnce):
-                module.__class__ = rotary_once_class(type(module))
+            swap(module, _RotaryOnce)
             count += 1
     return count
 
@@ -86,5 +67,4 @@ def compute_rotary_once(model: nn.Module) -> int:
 def restore_rotary(model: nn.Module) -> None:
     """Give every swapped rotary embedding of ``model`` its stock class back."""
     for module in model.modules():
-        if isinstance(module, _RotaryOnce):
-            module.__class__ = _stock_class(type(module))
+        restore(module, _RotaryOnce)

@@ -21,14 +21,15 @@ from torch import nn
 
 from .availability import blocker
 from .norms import (
+    KINDS,
     SWAP_ATTRIBUTES,
     WEIGHTLESS_LAYER_NORMS,
     is_swapped,
     load_graph_ops,
     rms_norm_eps,
     stock_class,
-    swapped_class,
 )
+from .swap import restore, swap
 from .trace import APEX, TORCH
 
 logger = logging.getLogger("hf_apex")
@@ -206,7 +207,7 @@ def rewire(
                 report.skipped[path] = reason
                 continue
             old = type(module).__name__
-            module.__class__ = swapped_class(type(module), kind)
+            swap(module, KINDS[kind])
         else:
             continue
         module.hf_apex_strict, module.hf_apex_chooser, module.hf_apex_compiled = options[:3]
@@ -246,9 +247,7 @@ def unrewire(model: nn.Module) -> int:
     restored = 0
     model.__dict__.pop("_hf_apex_rewired", None)
     for module in model.modules():
-        cls = stock_class(module)
-        if cls is not None:
-            module.__class__ = cls
+        if stock_class(module) is not None and restore(module):
             for name in SWAP_ATTRIBUTES:
                 module.__dict__.pop(name, None)
             restored += 1

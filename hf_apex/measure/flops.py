@@ -84,3 +84,20 @@ def flops_per_token(shape: dict, seq_len: int) -> float | None:
     if shape.get("encoder_decoder") or not shape.get("n_layers") or not shape.get("attention_width"):
         return None
     return 6.0 * shape["matmul_params"] + 12.0 * shape["n_layers"] * shape["attention_width"] * seq_len
+
+
+class TrainerFlops:
+    """The stock ``Trainer.floating_point_ops`` (6 x tokens x parameters without embeddings, for ``total_flos``) with
+    the parameter count kept per model: the stock method walks every parameter on each micro-batch (0.3-0.5 ms of
+    host time for BERT-base). None where the stock method must count (no main input, no ``num_parameters``)."""
+
+    def __init__(self):
+        self.model, self.params = None, 0
+
+    def __call__(self, model: nn.Module, inputs) -> int | None:
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return None
+        if self.model is not model:
+            self.model, self.params = model, model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self.params

@@ -77,9 +77,10 @@ def trainer_sections(trainer) -> dict:
             if plan.rotary.report
             else "no rotary embedding in this model (rotary_once)"
         )
+    autocast = trainer.args.bf16 or trainer.args.fp16
     if trainer.fp32_outputs_dropped:
         kernels["model_outputs"] = "autocast dtype (accelerate's FP32 conversion left out; the loss is FP32)"
-    elif not trainer.args.fp32_outputs and loss_reads_outputs(trainer) and (trainer.args.bf16 or trainer.args.fp16):
+    elif autocast and loss_reads_outputs(trainer) and not trainer.args.recipe.fp32_outputs:
         kernels["model_outputs"] = "FP32 (accelerate's conversion kept: the loss is computed from the outputs)"
     return {
         "rewire": plan.norms.report.to_dict() if plan.norms.report else None,
@@ -103,7 +104,7 @@ def compile_cache_section(trainer) -> dict:
     elif not trainer.args.torch_compile:
         why = "the run does not compile"
     else:
-        why = "compile_cache=False"
+        why = "stage_recipe compile_cache=False"
     return {"state": "off", "why": why, **payback}
 
 

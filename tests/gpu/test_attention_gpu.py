@@ -18,7 +18,7 @@ from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import TokenDataset, loss_curve_agreement, record_sdpa_calls_as_eager, require_cuda
 
-pytestmark = [pytest.mark.gpu, require_cuda]
+pytestmark = [pytest.mark.gpu, require_cuda, pytest.mark.usefixtures("own_hf_apex_cache")]
 
 OPS = {  # (math decomposes into plain operators: a region that ran it shows none of these)
     "cudnn": "aten::_scaled_dot_product_cudnn_attention",
@@ -41,7 +41,6 @@ def train(tmp_path, **kw):
         learning_rate=3e-4,
         metrics_warmup_steps=5,
         disable_tqdm=True,
-        autotune_cache=str(tmp_path.parent / "cache.json"),
         **kw,
     )
     data = TokenDataset(n=160, seq=512, vocab=model.config.vocab_size)

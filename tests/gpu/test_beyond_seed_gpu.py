@@ -50,15 +50,15 @@ def train(tmp_path, stage, steps=30, model_name="gpt2", **kw):
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.usefixtures("own_hf_apex_cache")  # the second trainer reads what the first decided
 def test_auto_decides_every_component_and_a_second_trainer_reuses_the_decisions(tmp_path, model_name):
-    cache = tmp_path / "autotune.json"
-    first = train(tmp_path / "a", "auto", model_name=model_name, autotune_cache=str(cache))
+    first = train(tmp_path / "a", "auto", model_name=model_name)
     components = {d["component"] for d in first["autotune"]}
     assert {"optimizer", "norms"} <= components  # norms: decided on whole forward + backward passes
     for d in first["autotune"]:
         assert not d["cached"] and set(d["times_ms"]) == set(d["parity_ok"]) == {"apex", "torch"}
         assert d["parity_ok"]["apex"], d  # apex matches torch on this GPU
-    second = train(tmp_path / "b", "auto", model_name=model_name, autotune_cache=str(cache))
+    second = train(tmp_path / "b", "auto", model_name=model_name)
     assert [(d["component"], d["backend"]) for d in second["autotune"]] == [
         (d["component"], d["backend"]) for d in first["autotune"]
     ]
@@ -108,7 +108,7 @@ def test_the_cudagraphs_backend_replays_the_eager_kernels_along_their_loss_curve
     assert len(graphed["loss_history"]) == 30 and agreement["max_rel_gap_smoothed"] < 0.02, agreement
 
 
-def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve(tmp_path):
+def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve(tmp_path, own_hf_apex_cache):
     # auto's step under the cudagraphs backend: apex's norms inside the graphs (their kernel seen in the profiled
     # step) and fused_full's eager maths, so the curve holds to fused_full's eager one
     eager = train(tmp_path / "eager", "fused_full", model_name="bert")
@@ -117,7 +117,6 @@ def test_auto_replays_apex_norms_inside_cuda_graphs_along_fused_fulls_loss_curve
         "auto",
         model_name="bert",
         stage_recipe={"min_steps": 0},
-        autotune_cache=str(tmp_path / "cache.json"),
     )
     assert auto["run"]["torch_compile"] and auto["run"]["torch_compile_backend"] == "cudagraphs"
     assert auto["kernels"]["norms_under_torch_compile"].startswith("apex's kernel inside the CUDA graphs"), auto
