@@ -25,6 +25,7 @@ import typing
 
 from transformers import Trainer, TrainingArguments
 
+from .internals import valid_dict_fields
 from .trainer import ApexTrainer
 from .training_args import ADDED_ARGUMENTS, ApexTrainingArguments
 
@@ -66,7 +67,7 @@ def _config_with_stages(base: type[TrainingArguments]) -> type:
         "__doc__": f"``{base.__name__}`` with hf_apex's stages (:func:`hf_apex.with_stages`).",
         "__annotations__": {f.name: hints[f.name] for f in fields},
         **{f.name: _copy_field(f) for f in fields},
-        "_VALID_DICT_FIELDS": list(dict.fromkeys(base._VALID_DICT_FIELDS + ApexTrainingArguments._VALID_DICT_FIELDS)),
+        "_VALID_DICT_FIELDS": list(dict.fromkeys(valid_dict_fields(base) + valid_dict_fields(ApexTrainingArguments))),
         "BASE_OWNED": frozenset(f.name for f in ours if f.name in theirs),
     }
     mix = dataclasses.dataclass(type(f"Apex{base.__name__}", (ApexTrainingArguments, base), namespace))

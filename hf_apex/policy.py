@@ -12,6 +12,7 @@ import os
 import torch
 from torch import nn
 
+from .internals import AUTOCAST_REGIONS, FUNCTORCH_CONFIG, INDUCTOR_CONFIG, inductor_config
 from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
 from .kernels.loss import is_causal_lm, is_fused
 from .kernels.trace import TORCH
@@ -117,29 +118,26 @@ def why_not_compile(args, train_dataset, payback: dict | None = None) -> str | N
     )
 
 
-# An autocast region inside a graph (a RoPE model's rotary embedding, the fused loss's FP32 part) enters and leaves
-# through these two functions, whose arguments are in the graph: AOTAutograd's cache refuses a graph that calls a
-# function it does not know to be safe, so without them such a graph is traced again at every run.
-AUTOCAST_REGIONS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
-
-
 def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     """torch.compile's settings for a run's training steps on ``model``, by config module (empty: torch's defaults),
     from the run's :class:`~hf_apex.stages.StageRecipe`:
 
     - ``recompute_pointwise`` (``"true"``, or ``"auto"`` for a model whose loss reads its logits): the partitioner
-      recomputes in the backward the pointwise results that the backward's matmuls read (``torch._functorch.config``).
+      recomputes in the backward the pointwise results that the backward's matmuls read (AOTAutograd's config).
     - ``eager_random``: random ops run torch's own kernels inside the graph (Inductor's ``fallback_random``).
     - ``fuse_projections``: linears that read one input run as one matmul (:mod:`hf_apex.kernels.projections`,
       Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections` has no objection.
-    - ``compile_cache``: graphs with autocast regions (``AUTOCAST_REGIONS``) and custom autograd functions, whose
-      code the traced graph holds, are cacheable by AOTAutograd."""
+    - ``compile_cache``: graphs with autocast regions and custom autograd functions, whose code the traced graph
+      holds, are cacheable by AOTAutograd. An autocast region inside a graph (a RoPE model's rotary embedding, the
+      fused loss's FP32 part) enters and leaves through two functions whose arguments are in the graph
+      (``AUTOCAST_REGIONS``): AOTAutograd's cache refuses a graph that calls a function it does not know to be safe,
+      so without them such a graph is traced again at every run."""
     if not (isinstance(args, ApexTrainingArguments) and args.torch_compile):
         return {}
     recipe, settings, inductor = args.recipe, {}, {}
     wanted = recipe.recompute_pointwise
     if wanted == "true" or (wanted == "auto" and (model is None or not is_fused(model))):
-        settings["torch._functorch.config"] = {"ban_recompute_materialized_backward": False}
+        settings[FUNCTORCH_CONFIG] = {"ban_recompute_materialized_backward": False}
     if recipe.eager_random:
         inductor["fallback_random"] = True
     if why_not_fuse_projections(args, model) is None:
@@ -148,13 +146,13 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
     if recipe.compile_cache:
         inductor["unsafe_marked_cacheable_functions"] = {
-            **torch._inductor.config.unsafe_marked_cacheable_functions,
+            **inductor_config().unsafe_marked_cacheable_functions,
             **dict.fromkeys(AUTOCAST_REGIONS, torch.__version__),
         }
-        functorch = settings.setdefault("torch._functorch.config", {})
+        functorch = settings.setdefault(FUNCTORCH_CONFIG, {})
         functorch["autograd_cache_allow_custom_autograd_functions"] = True  # (hf_apex's fused loss is one)
     if inductor:
-        settings["torch._inductor.config"] = inductor
+        settings[INDUCTOR_CONFIG] = inductor
     return settings
 
 
@@ -170,17 +168,15 @@ def why_not_fuse_projections(args, model: nn.Module | None) -> str | None:
     backend = args.torch_compile_backend or "inductor"
     if backend != "inductor":
         return f"its pass is Inductor's, and torch_compile_backend={backend!r}"
-    import torch._inductor.config
-
-    if torch._inductor.config.pre_grad_custom_pass is not None:
-        return "torch._inductor.config.pre_grad_custom_pass is set already (yours is kept)"
+    if inductor_config().pre_grad_custom_pass is not None:
+        return "Inductor's pre_grad_custom_pass is set already (yours is kept)"
     return None
 
 
 @contextlib.contextmanager
 def own_compiled_graphs(settings: dict[str, dict]):
     """Around a compiled run whose recipe changes torch's compiler ``settings`` (:func:`compile_settings`): torch's
-    compiled graphs are dropped (``torch._dynamo.reset``) when it starts and when it ends. Dynamo's cache is the
+    compiled graphs are dropped (``torch.compiler.reset``) when it starts and when it ends. Dynamo's cache is the
     process's and reuses a graph for another model of the same code without looking at the settings it was compiled
     under: this way the run compiles under its own settings, and no graph compiled under them serves code of yours
     afterwards (yours recompile at their next call). A run under torch's default settings shares the cache as any
@@ -188,11 +184,11 @@ def own_compiled_graphs(settings: dict[str, dict]):
     if not settings:
         yield
         return
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         yield
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
 
 def drops_full_attention_mask(args, model: nn.Module | None) -> bool:

@@ -4,17 +4,16 @@ closes when it returns or raises), and the run's data and logging helpers."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Mapping
 from types import MethodType
 
 import torch
-from accelerate.state import AcceleratorState
-from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
+
+from .internals import can_defer_logs, fp32_output_conversion, last_logged_step, reset_accelerate_state
 
 logger = logging.getLogger("hf_apex")
 
@@ -45,10 +44,9 @@ def strict_fp32():
 def drop_fp32_outputs(model: nn.Module, scope: contextlib.ExitStack) -> bool:
     """Take accelerate's conversion of ``model``'s outputs to FP32 off its forward (keeping accelerate's autocast)
     until ``scope`` closes; returns whether it did. accelerate wraps the forward of the model it prepares under native
-    AMP: autocast inside, the conversion (``ConvertOutputsToFp32``) outside."""
-    forward = model.__dict__.get("forward")
-    converting = getattr(forward, "__wrapped__", None)
-    if "_original_forward" not in model.__dict__ or not isinstance(converting, ConvertOutputsToFp32):
+    AMP: autocast inside, the conversion outside (:func:`~hf_apex.internals.fp32_output_conversion`)."""
+    forward, converting = model.__dict__.get("forward"), fp32_output_conversion(model)
+    if converting is None:
         return False
     autocast_forward = converting.model_forward  # unbound when the forward was a method, as accelerate found it
     model.forward = MethodType(autocast_forward, model) if isinstance(forward, MethodType) else autocast_forward
@@ -149,7 +147,7 @@ class DeferredLog:
         c, args = trainer.control, trainer.args
         return (
             c.should_log
-            and trainer.state.global_step > trainer._globalstep_last_logged
+            and trainer.state.global_step > last_logged_step(trainer)
             and not (c.should_evaluate or c.should_save or c.should_training_stop or c.should_epoch_stop)
             and args.parallel_mode != ParallelMode.DISTRIBUTED
             and args.world_size == 1
@@ -196,29 +194,5 @@ def reclaim_accelerate_state(trainer: Trainer, settings: tuple) -> None:
     ``settings`` (:func:`accelerate_settings` when it was built)."""
     if accelerate_settings(trainer.accelerator) != settings:
         logger.info("hf_apex: another Trainer changed accelerate's process-wide state since; this one's is back.")
-        AcceleratorState._reset_state()  # (the process's distributed state, PartialState, stays)
+        reset_accelerate_state()
         trainer.create_accelerator_and_postprocess()
-
-
-# ApexTrainer defers a logging step's log through Trainer._maybe_log_save_evaluate, a private method: it does so only
-# where the method has the signature it was written and tested against (transformers 5.17 to 5.25); elsewhere the
-# run logs as the stock Trainer does.
-LOG_SAVE_EVALUATE_PARAMETERS = (
-    "self",
-    "tr_loss",
-    "grad_norm",
-    "model",
-    "trial",
-    "epoch",
-    "ignore_keys_for_eval",
-    "start_time",
-    "learning_rate",
-)
-
-
-def can_defer_logs(trainer_cls: type = Trainer) -> bool:
-    """Whether ``trainer_cls``'s ``_maybe_log_save_evaluate`` takes the arguments ApexTrainer's deferred log passes."""
-    method = getattr(trainer_cls, "_maybe_log_save_evaluate", None)
-    if method is None:
-        return False
-    return tuple(inspect.signature(method).parameters) == LOG_SAVE_EVALUATE_PARAMETERS

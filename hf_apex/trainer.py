@@ -8,11 +8,10 @@ import logging
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from . import data, plan, policy, runtime
+from . import data, internals, plan, policy, runtime
 from .autotune import compiled
 from .autotune.cache import checkpoint_decisions, save_decisions
 from .autotune.compiled import CompileCache
@@ -157,7 +156,7 @@ class ApexTrainer(Trainer):
             self.fp32_outputs_dropped = runtime.drop_fp32_outputs(model, self._run)
         if self.autotuner is None:
             return
-        inputs, raw = self._prepare_inputs(inputs), self.model.train()  # (as the step runs it: with dropout)
+        inputs, raw = internals.prepare_inputs(self, inputs), self.model.train()  # (as the step runs it: with dropout)
         steps_left = self.state.max_steps - self.state.global_step
         sharded = bool(policy.fsdp_version(self.args) or self.is_deepspeed_enabled)
         loss = functools.partial(self._autocast_loss, raw, inputs)
@@ -181,7 +180,7 @@ class ApexTrainer(Trainer):
             outputs = super().prediction_step(model, inputs, *args, **kwargs)
         if uses_cuda_graphs(self.args):  # the next batch's replay reuses its outputs' memory: keep the logits' copy
             loss, logits, labels = outputs
-            outputs = loss, tree_map_only(torch.Tensor, torch.clone, logits), labels
+            outputs = loss, internals.tree_map_only(torch.Tensor, torch.clone, logits), labels
         return outputs
 
     def call_model_init(self, trial=None):

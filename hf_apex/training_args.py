@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
 from .data import LAYOUTS
+from .internals import compile_mode_options, valid_dict_fields
 from .kernels.attention import CHOICES as ATTENTION_CHOICES
 from .kernels.trace import APEX, TORCH
 from .stages import APEX_OPTIMIZERS, STAGES, StageRecipe, get_stage
@@ -29,11 +30,7 @@ GRAPHS_CANNOT_ACCUMULATE = (
 def mode_records_cuda_graphs(mode: str | None) -> bool:
     """Whether ``torch.compile(mode=mode)`` records CUDA graphs (Inductor's cudagraph trees), as torch's own table of
     what each mode sets says."""
-    if not mode:
-        return False
-    import torch._inductor
-
-    return bool(torch._inductor.list_mode_options().get(mode, {}).get("triton.cudagraphs"))
+    return bool(mode) and bool(compile_mode_options(mode).get("triton.cudagraphs"))
 
 
 # torch.compile's backend that runs the traced graphs' own kernels under CUDA graphs (cudagraph trees, as the modes
@@ -166,7 +163,7 @@ class ApexTrainingArguments(TrainingArguments):
     > `ddp_bucket_cap_mb=100`, and `accelerator_config={"non_blocking": True}` with pinned memory.
     """
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["apex_optimizer_kwargs", "stage_recipe"]
+    _VALID_DICT_FIELDS = valid_dict_fields(TrainingArguments) + ["apex_optimizer_kwargs", "stage_recipe"]
 
     stage: str | None = field(
         default=None,

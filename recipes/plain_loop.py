@@ -17,45 +17,22 @@ read at the end), and written with the losses to OUT.json.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import finetune  # recipes/ is the script's folder, so it is on sys.path
 import torch
 from transformers import HfArgumentParser, Trainer, get_scheduler, set_seed
-from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
 from hf_apex import ApexTrainingArguments
+from hf_apex.internals import loss_items_counter
 from hf_apex.measure.report import compile_mode, percentiles
 from hf_apex.measure.steps import StepTimer
 from hf_apex.plan import StagePlan, decide_compile
 from hf_apex.runtime import HostCopy
 from hf_apex.training_args import uses_cuda_graphs
-
-
-def loss_items_counter(model, args) -> Callable[[dict], torch.Tensor | None]:
-    """The Trainer's count of a batch's loss items (``num_items_in_batch``: a causal LM's shifted labels, for a model
-    whose forward takes loss kwargs), by the Trainer's own method on a bare instance that holds what it reads. The
-    loss then divides by that input, as in the Trainer run: the same value, and under torch.compile the same graph
-    (whose dtype depends on the transformers version)."""
-    counter = object.__new__(Trainer)
-    counter.args, counter.model, counter.compute_loss_func = args, model, None
-    counter.accelerator, counter.is_deepspeed_enabled = SimpleNamespace(parallelism_config=None), False
-    if hasattr(model, "accepts_loss_kwargs"):  # as Trainer.__init__ decides it
-        counter.model_accepts_loss_kwargs = model.accepts_loss_kwargs
-    else:
-        params = inspect.signature(model.forward).parameters.values()
-        counter.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    config = getattr(model, "config", None)
-    counter._loss_shifts_labels = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not (
-        getattr(config, "is_encoder_decoder", False)
-    )
-    return lambda batch: counter._get_num_items_in_batch([batch], args.device)
 
 
 def main(out_json: str, argv: list[str]) -> dict:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_apex import STAGES
+from hf_apex.internals import loss_items_counter
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 from tests.testing_utils import loss_curve_agreement
@@ -918,7 +919,6 @@ def test_the_plain_loop_passes_the_loss_items_the_trainer_passes(tmp_path, famil
     """The Trainer hands a model that takes loss kwargs the batch's count of labels (a causal LM's shifted ones);
     the plain loop hands the same value in the same dtype (which depends on the transformers version), so that its
     loss divides by the same input and, compiled, its graphs are the Trainer run's."""
-    import plain_loop
 
     from hf_apex import ApexTrainer
     from tests.test_trainer import train_args
@@ -935,7 +935,7 @@ def test_the_plain_loop_passes_the_loss_items_the_trainer_passes(tmp_path, famil
 
     trainer.compute_loss = noted
     trainer.train()
-    count = plain_loop.loss_items_counter(model, args)
+    count = loss_items_counter(model, args)
     for inputs, items in passed:
         mine = count(inputs)
         assert torch.is_tensor(mine) and mine.dtype == items.dtype and mine.device == items.device

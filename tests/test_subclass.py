@@ -211,7 +211,7 @@ def test_the_deferred_log_runs_only_on_the_private_method_it_was_tested_against(
     signature is the one tested at both ends of the supported transformers range (CI runs this at both)."""
     from transformers import Trainer
 
-    from hf_apex.runtime import can_defer_logs
+    from hf_apex.internals import can_defer_logs
 
     assert can_defer_logs(Trainer)  # the installed transformers: a version this suite runs at
 

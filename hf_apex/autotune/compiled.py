@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from torch._dynamo.utils import counters
 from transformers import TrainerCallback
 
 from .. import distributed
+from ..internals import cache_artifacts_new, dynamo_counters, fresh_cache_artifacts
 from ..kernels.availability import portable_path
 from .cache import DecisionCache, default_cache_path, environment_key
 
@@ -88,6 +88,7 @@ def artifacts_path(args, model) -> Path:
 
 def cache_counters() -> dict[str, dict[str, int]]:
     """torch's process-wide hit/miss/bypass counts of its FX graph and AOTAutograd caches."""
+    counters = dynamo_counters()
     return {name: {o: int(counters[group][prefix + o]) for o in OUTCOMES} for name, (group, prefix) in CACHES.items()}
 
 
@@ -126,9 +127,7 @@ class CompileCache(TrainerCallback):
 
     def begin(self, run: contextlib.ExitStack) -> None:
         """Record this run's artifacts apart from the process's (torch's record is put back when ``run`` ends)."""
-        from torch.compiler._cache import CacheArtifactManager
-
-        run.enter_context(CacheArtifactManager.with_fresh_cache())
+        run.enter_context(fresh_cache_artifacts())
         self._counters_at_start = cache_counters()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -160,9 +159,7 @@ class CompileCache(TrainerCallback):
     def save(self) -> None:
         """Write what this run compiled or found in torch's caches so far, when anything is new since the last save
         (the main process; the others keep nothing)."""
-        from torch.compiler._cache import CacheArtifactManager
-
-        if self.path is None or distributed.rank() != 0 or not CacheArtifactManager.need_serialize():
+        if self.path is None or distributed.rank() != 0 or not cache_artifacts_new():
             return
         try:
             saved = torch.compiler.save_cache_artifacts()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .. import distributed
+from ..internals import attn_implementation
 from ..kernels import attention, norms
 from ..kernels.norms import stock_class
 from ..kernels.trace import APEX, TORCH
@@ -283,7 +284,7 @@ class Autotuner:
             "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "dtype": str(next(model.parameters()).dtype),
-            "attention": str(getattr(getattr(model, "config", None), "_attn_implementation", None)),
+            "attention": str(attn_implementation(model)),
             "norms": sorted({stock_class(m).__name__ for m in swapped}),
             "batch": list(batch_shape),
             "autocast": str(amp),

@@ -26,12 +26,18 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch._functorch.config
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers import masking_utils
 
+from ..internals import (
+    attn_implementation,
+    can_set_attn_implementation,
+    functorch_config,
+    sdp_priority_order,
+    settle_sdp_priority,
+)
 from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
 
 BACKENDS = {
@@ -152,10 +158,10 @@ def preferring(backend: str | None):
         kernels = sdpa_kernel([SDPBackend.MATH])
     else:
         _settle_default_priority()
-        first, order = BACKENDS[backend], torch._C._get_sdp_priority_order()
+        first, order = BACKENDS[backend], sdp_priority_order()
         rest = sorted((b for b in BACKENDS.values() if b is not first), key=lambda b: order.index(int(b)))
         kernels = sdpa_kernel([first, *rest], set_priority=True)
-    config = torch._functorch.config
+    config = functorch_config()
     uncached = config.patch(enable_autograd_cache=False) if hasattr(config, "enable_autograd_cache") else None
     with kernels, uncached or contextlib.nullcontext():
         yield
@@ -166,8 +172,7 @@ def _settle_default_priority() -> None:
     """Have PyTorch install its CUDA default priority now. It does so on the process's first CUDA backend selection
     (cuDNN first on sm90/sm100 with a recent cuDNN), overwriting an order set before that, such as ours."""
     if torch.cuda.is_available():
-        t = torch.zeros(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
-        torch._fused_sdp_choice(t, t, t)
+        settle_sdp_priority()
 
 
 def runnable(device: torch.device | str) -> dict[str, str]:
@@ -266,13 +271,12 @@ def _register_static_masks() -> None:
 
 def static_masks_blocker(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run :data:`STATIC_MASKS`, or None when it can (or already does)."""
-    config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = attn_implementation(model)
     if implementation == STATIC_MASKS:
         return None
     if implementation != "sdpa":
         return f"its attention is {implementation!r}, not transformers' 'sdpa'"
-    if not hasattr(model, "set_attn_implementation") or not model._can_set_attn_implementation():
+    if not can_set_attn_implementation(model):
         return "it cannot switch its attention implementation (it does not call transformers' AttentionInterface)"
     for name in sorted({type(m).__module__ for m in model.modules()}):
         if _tests_for_sdpa(name):
@@ -295,7 +299,7 @@ def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
     """Run ``model``'s SDPA attention with :data:`STATIC_MASKS` (``on``) or with transformers' own masks again;
     returns whether it now runs with static masks. A model it does not fit (another attention implementation, one
     that tests for the name "sdpa") is left as it is."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    implementation = attn_implementation(model)
     if not on:
         if implementation == STATIC_MASKS:
             model.set_attn_implementation("sdpa")
@@ -305,4 +309,4 @@ def use_static_masks(model: torch.nn.Module, on: bool = True) -> bool:
     if implementation != STATIC_MASKS:
         _register_static_masks()
         model.set_attn_implementation(STATIC_MASKS)
-    return model.config._attn_implementation == STATIC_MASKS
+    return attn_implementation(model) == STATIC_MASKS

@@ -128,10 +128,8 @@ def is_fused_norm_available() -> bool:
 def has_triton_ops() -> bool:
     """hf_apex's own Triton kernels can run: Triton compiles for this machine's GPU and torch registers Triton
     kernels as ops (`torch.library.triton_op`, torch >= 2.6)."""
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
+    from ..internals import has_triton
+
     return torch.cuda.is_available() and hasattr(torch.library, "triton_op") and has_triton()
 
 

@@ -4,7 +4,7 @@ BERT's self-attention computes its query, key and value with three ``nn.Linear``
 its q, k and v projections, and in its MLP the gate and up projections. Each is a matmul of its own, forward and
 backward, and at BERT-base's width (768 x 768 weights) each is small for the GPU's tensor cores.
 
-:class:`FuseSharedInputLinears` is an Inductor pre-grad pass (``torch._inductor.config.pre_grad_custom_pass``). In
+:class:`FuseSharedInputLinears` is an Inductor pre-grad pass (Inductor's ``pre_grad_custom_pass``). In
 the graph Dynamo traced, before AOTAutograd derives the backward from it, it replaces each group of linears on one
 input by one linear on their weights (and biases) concatenated, whose output it splits back along the last dimension.
 The backward then computes the input's gradient in one matmul and the concatenated weight's gradient in one, whose
@@ -25,10 +25,12 @@ from collections import defaultdict
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-COUNTER = "hf_apex_fused_projections"  # in torch._dynamo.utils.counters["inductor"]: groups fused
+from ..internals import ATEN_LINEAR, custom_graph_pass, dynamo_counters, is_fake_tensor, op_schema
+
+CustomGraphPass, get_hash_for_files = custom_graph_pass()
+LINEAR = (ATEN_LINEAR, torch.nn.functional.linear)
+COUNTER = "hf_apex_fused_projections"  # in dynamo_counters()["inductor"]: groups fused
 
 
 def _linear_args(node: fx.Node) -> tuple:
@@ -40,14 +42,14 @@ def _linear_args(node: fx.Node) -> tuple:
 def _value(node):
     """The fake tensor Dynamo traced for ``node`` (None for anything else)."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch._subclasses.FakeTensor) else None
+    return value if is_fake_tensor(value) else None
 
 
 def _modified_in_place(node: fx.Node) -> bool:
     for user in node.users:
         if user.op == "call_method" and user.target.endswith("_") and not user.target.startswith("__"):
             return True
-        schema = getattr(user.target, "_schema", None)
+        schema = op_schema(user.target)
         if user.op == "call_function" and schema is not None and schema.is_mutable:
             return True
     return False
@@ -132,7 +134,7 @@ def fuse_shared_input_linears(graph: fx.Graph) -> int:
         with graph.inserting_before(first):
             w = _add(graph, meta, torch.cat, (weights, 0), weight)
             b = _add(graph, meta, torch.cat, (biases, 0), bias) if bias is not None else None
-            y = _add(graph, meta, torch._C._nn.linear, (_linear_args(first)[0], w, b), out)
+            y = _add(graph, meta, ATEN_LINEAR, (_linear_args(first)[0], w, b), out)
             split = _add(graph, meta, torch.split, (y, sizes, -1), parts)
             outputs = [_add(graph, meta, operator.getitem, (split, i), part) for i, part in enumerate(parts)]
         for node, output in zip(group, outputs):
@@ -141,7 +143,7 @@ def fuse_shared_input_linears(graph: fx.Graph) -> int:
         fused += 1
     if fused:
         graph.lint()
-        torch._dynamo.utils.counters["inductor"][COUNTER] += fused
+        dynamo_counters()["inductor"][COUNTER] += fused
     return fused
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..internals import FUNCTORCH_CONFIG, INDUCTOR_CONFIG, attn_implementation, uncompiled
 from ..kernels.attention import STATIC_MASKS
 from ..kernels.norms import is_swapped
 from ..kernels.trace import APEX, TORCH
@@ -39,14 +40,14 @@ def trainer_sections(trainer) -> dict:
     kernels = {}
     plan = trainer.plan
     settings = plan.compile_settings  # (empty in a run that skipped compiling: args of eager)
-    inductor = settings.get("torch._inductor.config", {})
+    inductor = settings.get(INDUCTOR_CONFIG, {})
     if trainer.args.apex_fused_norms and trainer.args.torch_compile:
         kernels["norms_under_torch_compile"] = norms_in_graphs(trainer)
     if trainer.graphs_blocked:
         kernels["cuda_graphs"] = f"not used: {trainer.graphs_blocked}"
     if trainer.compile_skipped:
         kernels["torch_compile"] = f"not used: {trainer.compile_skipped}"
-    elif "ban_recompute_materialized_backward" in settings.get("torch._functorch.config", {}):
+    elif "ban_recompute_materialized_backward" in settings.get(FUNCTORCH_CONFIG, {}):
         kernels["compiled_backward"] = "recomputes the pointwise results its matmuls read (recompute_pointwise)"
     elif trainer.args.torch_compile and trainer.args.recipe.recompute_pointwise == "auto":
         kernels["compiled_backward"] = (
@@ -64,7 +65,7 @@ def trainer_sections(trainer) -> dict:
     if isinstance(trainer.data_collator, DropFullAttentionMask):
         kernels["attention_mask"] = "left out of batches where it is all ones"
     if plan.masks.report:
-        implementation = getattr(getattr(trainer.model, "config", None), "_attn_implementation", STATIC_MASKS)
+        implementation = attn_implementation(trainer.model) or STATIC_MASKS
         kernels["attention_masks"] = (
             f"{implementation}: decided without reading a tensor (a batch without an attention mask builds none, "
             "SDPA's is_causal; a padded batch keeps its mask; a batch without position_ids: one sequence per row)"
@@ -110,7 +111,7 @@ def compile_cache_section(trainer) -> dict:
 
 def ddp_settings(trainer) -> dict | None:
     """What the DistributedDataParallel wrapper of this run really used (None without DDP)."""
-    ddp = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # torch.compile wraps the DDP module
+    ddp = uncompiled(trainer.model_wrapped)  # torch.compile wraps the DDP module
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         return None
     return {

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .. import distributed
+from ..internals import cuda_graphs_recorded, dynamo_counters
 
 
 @dataclasses.dataclass
@@ -172,18 +173,7 @@ def merge_ranks(records: list[StepRecord], peak_memory: list[float]) -> tuple[li
 def compiled_graphs() -> tuple[int, int]:
     """The graphs this process has compiled (Dynamo's count) and the CUDA graphs torch's cudagraph trees hold on the
     current GPU (0 without one)."""
-    from torch._dynamo.utils import counters
-
-    graphs = int(counters["stats"]["unique_graphs"])
+    graphs = int(dynamo_counters()["stats"]["unique_graphs"])
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return graphs, 0
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    nodes = list(manager.get_roots()) if manager is not None and manager.roots is not None else []
-    recorded = 0
-    while nodes:
-        node = nodes.pop()
-        recorded += 1
-        nodes.extend(child for children in node.children.values() for child in children)
-    return graphs, recorded
+    return graphs, cuda_graphs_recorded(torch.cuda.current_device())
