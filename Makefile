@@ -79,7 +79,7 @@ apex: install
 # On a CUDA machine whose apex lacks its kernels, build apex first.
 bench: install
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  $(PYTHON) -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
+	  $(PYTHON) -c "import sys; from hf_apex.kernels.apex.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)" \
 	  || $(MAKE) apex; fi
 	$(PYTHON) recipes/bench.py $(strip $(BENCH_FLAGS))
 

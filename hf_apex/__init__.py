@@ -19,9 +19,9 @@ _EXPORTS = {
     "StageRecipe": "stages",
     "StageMetricsCallback": "measure.callback",
     "StagePlan": "plan",
-    "RewireReport": "kernels.surgery",
-    "rewire": "kernels.surgery",
-    "unrewire": "kernels.surgery",
+    "RewireReport": "kernels.models.surgery",
+    "rewire": "kernels.models.surgery",
+    "unrewire": "kernels.models.surgery",
     "with_stages": "compose",
 }
 
@@ -29,7 +29,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:
     from .compose import with_stages
-    from .kernels.surgery import RewireReport, rewire, unrewire
+    from .kernels.models.surgery import RewireReport, rewire, unrewire
     from .measure.callback import StageMetricsCallback
     from .plan import StagePlan
     from .stages import STAGES, StageConfig, StageRecipe

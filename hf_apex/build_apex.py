@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .kernels.availability import BUILD_RECORD, EXTENSION_NAMES, portable_path
+from .kernels.apex.availability import BUILD_RECORD, EXTENSION_NAMES, portable_path
 
 APEX_REPO = "https://github.com/NVIDIA/apex"
 DEFAULT_COMMIT = "6424da3b4faa6c8f062da4a48c424fff3f02d42d"
@@ -47,7 +47,7 @@ class BuildError(SystemExit):
 
 
 ALL_EXTENSIONS = "all"  # every extension apex's setup.py declares under APEX_CPP_EXT=1 APEX_CUDA_EXT=1
-HF_APEX_EXTENSIONS = "hf_apex"  # the ones hf_apex loads (hf_apex.kernels.availability.EXTENSION_NAMES)
+HF_APEX_EXTENSIONS = "hf_apex"  # the ones hf_apex loads (hf_apex.kernels.apex.availability.EXTENSION_NAMES)
 
 # Run in the apex source folder: apex's setup.py builds a wheel into argv[1], its setup() handed only the extensions
 # named in argv[2] (comma-separated) of those it declares.

@@ -276,7 +276,7 @@ def packs_documents(model) -> str | None:
     import inspect
     import sys
 
-    from .kernels.loss import is_causal_lm
+    from .kernels.models.loss import is_causal_lm
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not is_causal_lm(base):

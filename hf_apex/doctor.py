@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import attention
-from .kernels.availability import (
+from .kernels.apex.availability import (
     EXTENSION_NAMES,
     NO_GPU,
     blocker,
@@ -21,7 +20,8 @@ from .kernels.availability import (
     fix_for,
     is_apex_available,
 )
-from .kernels.norms import load_graph_ops
+from .kernels.apex.norms import load_graph_ops
+from .kernels.models import attention
 
 
 def nvcc_version() -> str | None:
@@ -81,8 +81,8 @@ def runtime_proof() -> dict:
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from .kernels.optim import apex_optimizer_class
-    from .kernels.surgery import rewire
+    from .kernels.apex.optim import apex_optimizer_class
+    from .kernels.models.surgery import rewire
     from .kernels.trace import KernelProfile
 
     torch.manual_seed(0)

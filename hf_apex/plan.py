@@ -31,13 +31,13 @@ from torch import nn
 
 from . import policy, runtime
 from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, compiled, training_pass
-from .kernels.attention import capture as capture_attention
-from .kernels.attention import one_sequence_per_row, preferring, use_static_masks
-from .kernels.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
-from .kernels.norms import is_swapped
-from .kernels.optim import apex_optimizer_cls_and_kwargs
-from .kernels.rotary import compute_rotary_once, restore_rotary
-from .kernels.surgery import RewireReport, rewire, unrewire
+from .kernels.apex.norms import is_swapped
+from .kernels.apex.optim import apex_optimizer_cls_and_kwargs
+from .kernels.models.attention import capture as capture_attention
+from .kernels.models.attention import one_sequence_per_row, preferring, use_static_masks
+from .kernels.models.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
+from .kernels.models.rotary import compute_rotary_once, restore_rotary
+from .kernels.models.surgery import RewireReport, rewire, unrewire
 from .training_args import CUDA_GRAPHS_BACKEND, ApexTrainingArguments, graph_norm_kernel, uses_cuda_graphs
 
 logger = logging.getLogger("hf_apex")
@@ -140,7 +140,8 @@ class FusedNorms(Converter):
 
 
 class LossWithoutLogits(Converter):
-    """A causal LM's training loss without its logits (``fused_linear_cross_entropy``, :mod:`hf_apex.kernels.loss`).
+    """A causal LM's training loss without its logits (``fused_linear_cross_entropy``,
+    :mod:`hf_apex.kernels.models.loss`).
     ``loss_owner``: the class whose ``compute_loss`` computes the loss from the model's outputs itself (a Trainer
     subclass's), which keeps the stock loss."""
 
@@ -202,7 +203,7 @@ class RotaryOnce(Converter):
 
 
 class StaticMasks(Converter):
-    """SDPA's masks decided on the host (the recipe's ``static_masks``, :data:`~hf_apex.kernels.attention.
+    """SDPA's masks decided on the host (the recipe's ``static_masks``, :data:`~hf_apex.kernels.models.attention.
     STATIC_MASKS`): a run's change, undone when it ends (the model leaves with transformers' own attention, and
     saves so). ``report``: whether the model runs them."""
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from .internals import AUTOCAST_REGIONS, FUNCTORCH_CONFIG, INDUCTOR_CONFIG, inductor_config
-from .kernels.availability import blocker, cpu_has_native_bf16, fix_for
-from .kernels.loss import is_causal_lm, is_fused
+from .kernels.apex.availability import blocker, cpu_has_native_bf16, fix_for
+from .kernels.models.loss import is_causal_lm, is_fused
 from .kernels.trace import TORCH
 from .stages import STAGES
 from .training_args import CUDA_GRAPHS_BACKEND, ApexTrainingArguments, graph_norm_kernel
@@ -125,7 +125,7 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     - ``recompute_pointwise`` (``"true"``, or ``"auto"`` for a model whose loss reads its logits): the partitioner
       recomputes in the backward the pointwise results that the backward's matmuls read (AOTAutograd's config).
     - ``eager_random``: random ops run torch's own kernels inside the graph (Inductor's ``fallback_random``).
-    - ``fuse_projections``: linears that read one input run as one matmul (:mod:`hf_apex.kernels.projections`,
+    - ``fuse_projections``: linears that read one input run as one matmul (:mod:`hf_apex.kernels.passes.projections`,
       Inductor's ``pre_grad_custom_pass``), where :func:`why_not_fuse_projections` has no objection.
     - ``compile_cache``: graphs with autocast regions and custom autograd functions, whose code the traced graph
       holds, are cacheable by AOTAutograd. An autocast region inside a graph (a RoPE model's rotary embedding, the
@@ -141,7 +141,7 @@ def compile_settings(args, model: nn.Module | None) -> dict[str, dict]:
     if recipe.eager_random:
         inductor["fallback_random"] = True
     if why_not_fuse_projections(args, model) is None:
-        from .kernels.projections import FUSE_SHARED_INPUT_LINEARS
+        from .kernels.passes.projections import FUSE_SHARED_INPUT_LINEARS
 
         inductor["pre_grad_custom_pass"] = FUSE_SHARED_INPUT_LINEARS
     if recipe.compile_cache:

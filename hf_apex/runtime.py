@@ -56,7 +56,7 @@ def drop_fp32_outputs(model: nn.Module, scope: contextlib.ExitStack) -> bool:
 
 class DropFullAttentionMask:
     """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means), so that the
-    model's mask is decided without reading a tensor (:data:`~hf_apex.kernels.attention.STATIC_MASKS`): no mask,
+    model's mask is decided without reading a tensor (:data:`~hf_apex.kernels.models.attention.STATIC_MASKS`): no mask,
     SDPA's ``is_causal``, and no host-device sync. It runs on the CPU batch, in the loader's workers. A batch with
     ``position_ids`` keeps its mask: without one, transformers would read packed sequences from the positions.
     Whether a run uses it: :func:`drops_full_attention_mask`."""

@@ -34,20 +34,20 @@ class StageRecipe:
             ``"auto"``: the same, except where the loss runs without the logits (``fused_linear_cross_entropy``),
             whose memory is low already; ``"false"``: torch's default.
         rotary_once: *compiled*: a RoPE model's cos and sin are computed once per forward
-            (:mod:`hf_apex.kernels.rotary`), not inside every attention layer's kernels; the same values.
+            (:mod:`hf_apex.kernels.models.rotary`), not inside every attention layer's kernels; the same values.
         eager_random: *compiled*: random ops (dropout's masks) run torch's own kernels inside the compiled graph
             instead of Inductor's per-element Philox; the same distribution.
         fuse_projections: *compiled*, Inductor: ``"true"``: linears that read one input (BERT's query/key/value, a
             Llama's q/k/v and gate/up) run as one matmul on their concatenated weights
-            (:mod:`hf_apex.kernels.projections`); the same dot products. ``"auto"``: the same except in a causal LM,
-            where it slowed the Llama-architecture model. ``"false"``: off.
+            (:mod:`hf_apex.kernels.passes.projections`); the same dot products. ``"auto"``: the same except in a
+            causal LM, where it slowed the Llama-architecture model. ``"false"``: off.
         compile_cache: *compiled*: the run loads the compiled work saved by an earlier run of the same model, stage
             and environment before it compiles, and saves its own after the metrics warm-up, in a ``compiled/``
             folder beside the autotune cache (``$HF_APEX_CACHE``, default ``~/.cache/hf_apex/``;
             :mod:`hf_apex.autotune.compiled`).
         static_masks: every run: an all-ones ``attention_mask`` is left out of the batches and SDPA's masks are
-            decided without reading a tensor (:data:`hf_apex.kernels.attention.STATIC_MASKS`): no host-device sync,
-            SDPA's ``is_causal`` under ``torch.compile``; the same attention.
+            decided without reading a tensor (:data:`hf_apex.kernels.models.attention.STATIC_MASKS`): no host-device
+            sync, SDPA's ``is_causal`` under ``torch.compile``; the same attention.
         fp32_outputs: every run under autocast: accelerate's FP32 copy of the model's training outputs (the logits)
             is kept. Off, they stay in the autocast dtype; the loss is FP32 either way.
     """
@@ -109,8 +109,9 @@ class StageConfig:
         torch_compile_backend: its backend: ``"inductor"``, or ``"cudagraphs"``, which replays the traced kernels as
             CUDA graphs without generating code (the swapped norms then run apex's kernel inside them). A default.
         autotune: time apex against torch per component on this GPU and use the faster.
-        fused_linear_cross_entropy: a causal LM's training loss without its logits (:mod:`hf_apex.kernels.loss`).
-        attention_backend: the SDPA backend (:mod:`hf_apex.kernels.attention`): None for PyTorch's choice, a
+        fused_linear_cross_entropy: a causal LM's training loss without its logits
+            (:mod:`hf_apex.kernels.models.loss`).
+        attention_backend: the SDPA backend (:mod:`hf_apex.kernels.models.attention`): None for PyTorch's choice, a
             backend's name, or ``"fastest"`` (timed on the first batch). A default.
         tf32: always False: FP32 matmuls stay strict, so the ladder compares like with like.
         packing: the batches' layout (:mod:`hf_apex.data`): None (as given), ``"documents"``, ``"buckets"`` or

@@ -15,7 +15,7 @@ from . import data, internals, plan, policy, runtime
 from .autotune import compiled
 from .autotune.cache import checkpoint_decisions, save_decisions
 from .autotune.compiled import CompileCache
-from .kernels.surgery import RewireReport
+from .kernels.models.surgery import RewireReport
 from .measure.callback import StageMetricsCallback
 from .measure.flops import TrainerFlops
 from .measure.sections import trainer_sections
@@ -196,7 +196,7 @@ class ApexTrainer(Trainer):
 
     def fuse_loss(self, model: nn.Module) -> dict | None:
         """With ``args.fused_linear_cross_entropy``, compute the causal-LM training loss without the logits
-        (:mod:`hf_apex.kernels.loss`); returns what was done (None when not asked), which the metrics JSON records."""
+        (:mod:`hf_apex.kernels.models.loss`); returns what was done (None when not asked), for the metrics JSON."""
         return self.plan.loss.convert(model)
 
     def get_optimizer_cls_and_kwargs(self, args, model=None):

@@ -14,7 +14,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from .data import LAYOUTS
 from .internals import compile_mode_options, valid_dict_fields
-from .kernels.attention import CHOICES as ATTENTION_CHOICES
+from .kernels.models.attention import CHOICES as ATTENTION_CHOICES
 from .kernels.trace import APEX, TORCH
 from .stages import APEX_OPTIMIZERS, STAGES, StageRecipe, get_stage
 

@@ -60,7 +60,7 @@ from bench_report import (  # recipes/ is on sys.path
 )
 
 from hf_apex import STAGES
-from hf_apex.kernels.availability import blocker, portable_path
+from hf_apex.kernels.apex.availability import blocker, portable_path
 from hf_apex.measure.report import METRICS_FILENAME, provenance
 from hf_apex.stages import SEED_STAGES
 

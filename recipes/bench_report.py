@@ -865,7 +865,7 @@ def append_bench(
     results_json: Path, table: Path, *, commit=None, source=None, note="", batch=None, models=None, stages=None
 ) -> tuple[list[ResultRow], list[ResultRow]]:
     """:func:`append_results` of a finished bench's results.json (e.g. a GPU machine's ``.bench``, unpacked here)."""
-    from hf_apex.kernels.availability import portable_path
+    from hf_apex.kernels.apex.availability import portable_path
 
     document = json.loads(results_json.read_text())
     folder = results_json.parent

@@ -78,7 +78,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 import hf_apex
 from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback
 from hf_apex.distributed import close_process_group
-from hf_apex.kernels.availability import portable_path
+from hf_apex.kernels.apex.availability import portable_path
 from hf_apex.measure.report import update_metrics_file
 from hf_apex.policy import validate_apex_args
 from hf_apex.training_args import ADDED_ARGUMENTS, uses_cuda_graphs

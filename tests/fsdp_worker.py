@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_apex import rewire  # noqa: E402
-from hf_apex.kernels.optim import FusedAdamFallback  # noqa: E402
+from hf_apex.kernels.apex.optim import FusedAdamFallback  # noqa: E402
 from tests.testing_utils import VOCAB, leave_worker, tiny_model  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
@@ -51,7 +51,7 @@ def build(world: int):
     # eps well above rounding noise: the key bias has a zero gradient in exact arithmetic, and Adam would turn
     # its noise (which differs with the reduction order) into full-size steps
     if CUDA:
-        from hf_apex.kernels.optim import apex_optimizer_class
+        from hf_apex.kernels.apex.optim import apex_optimizer_class
 
         return model, apex_optimizer_class("fused_adam")(groups, lr=1e-2, eps=1e-4)
     return model, Recording(groups, lr=1e-2, eps=1e-4)
@@ -91,7 +91,7 @@ def summary(model, opt) -> dict:
 def autotune_optimizer(model) -> dict:
     """auto's optimizer timing on the sharded model (rank 0 times alone: no collective may run in it)."""
     from hf_apex import autotune
-    from hf_apex.kernels import optim
+    from hf_apex.kernels.apex import optim
 
     if not CUDA:
         optim.apex_optimizer_class = lambda name: FusedAdamFallback  # apex's kernel stand-in on CPU

@@ -1,5 +1,5 @@
 """attention_backend: the model's first SDPA call is captured, each backend that can run it is timed, the fastest
-whose results match the math backend's is put first for every step (hf_apex/kernels/attention.py; the timing
+whose results match the math backend's is put first for every step (hf_apex/kernels/models/attention.py; the timing
 probe: hf_apex/autotune/probes.py)."""
 
 import dataclasses
@@ -14,7 +14,7 @@ import torch
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.autotune import Autotuner, DecisionCache, attention_probe
-from hf_apex.kernels import attention
+from hf_apex.kernels.models import attention
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, record_sdpa_calls_as_eager, sdpa_call_recorder, tiny_inputs, tiny_model

@@ -19,8 +19,9 @@ import transformers
 from hf_apex import ApexTrainer, ApexTrainingArguments, StageMetricsCallback, autotune, rewire
 from hf_apex.autotune import APEX, TORCH, Autotuner, DecisionCache
 from hf_apex.autotune import tuner as autotuner_module
-from hf_apex.kernels import norms, optim, trace
-from hf_apex.kernels.optim import FusedAdamFallback
+from hf_apex.kernels import trace
+from hf_apex.kernels.apex import norms, optim
+from hf_apex.kernels.apex.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_recipe import generated_data, word_tokenizer  # noqa: F401  (fixtures)
 from tests.testing_utils import TokenDataset, tiny_model

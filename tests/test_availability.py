@@ -19,7 +19,7 @@ from hf_apex.build_apex import (
     source_tree_hash,
     wanted_extensions,
 )
-from hf_apex.kernels import availability
+from hf_apex.kernels.apex import availability
 
 
 @pytest.fixture
@@ -84,7 +84,8 @@ def test_import_hf_apex_never_imports_apex(tmp_path):
     _write(tmp_path, "apex/__init__.py", "raise RuntimeError('hf_apex imported apex')\n")
     _write(tmp_path, "apex/optimizers/__init__.py")
     code = (
-        "import hf_apex, hf_apex.trainer, hf_apex.doctor, hf_apex.measure.callback, hf_apex.kernels.surgery, sys; "
+        "import hf_apex, hf_apex.trainer, hf_apex.doctor, hf_apex.measure.callback, sys; "
+        "import hf_apex.kernels.models.surgery; "
         "from hf_apex import ApexTrainer, ApexTrainingArguments, rewire, unrewire, STAGES; "
         "assert 'apex' not in sys.modules, 'apex was imported'"
     )
@@ -97,7 +98,8 @@ def test_import_hf_apex_never_imports_apex(tmp_path):
 
 def test_public_names_are_the_functions_even_after_submodules_load():
     code = (
-        "import hf_apex.trainer, hf_apex.kernels.surgery; from hf_apex import rewire, unrewire, ApexTrainer, STAGES; "
+        "import hf_apex.trainer, hf_apex.kernels.models.surgery; "
+        "from hf_apex import rewire, unrewire, ApexTrainer, STAGES; "
         "assert callable(rewire) and callable(unrewire) and rewire.__name__ == 'rewire'"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -954,7 +954,7 @@ def test_the_plain_loop_compiles_under_the_trainers_settings(
     import plain_loop
 
     from hf_apex import policy
-    from hf_apex.kernels.loss import is_fused
+    from hf_apex.kernels.models.loss import is_fused
 
     opts = bench.parse_args(["--tiny", "--data_dir", str(generated_data), "--steps", "2", "--warmup", "1"])
     flags = bench.finetune_args("gpt2", "fastest", opts, tmp_path / "run", nproc=1)

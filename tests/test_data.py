@@ -19,7 +19,7 @@ from hf_apex.data import (
     bucket_lengths,
     pack_documents,
 )
-from hf_apex.kernels.attention import use_static_masks
+from hf_apex.kernels.models.attention import use_static_masks
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import VOCAB, TokenDataset, tiny_model
 

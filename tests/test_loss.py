@@ -1,6 +1,7 @@
-"""The causal-LM loss without logits (hf_apex.kernels.loss): the same loss and gradients as transformers' own, in
-FP32 and under BF16 autocast, with ignored labels, gradient-accumulation divisors, several chunks and a vocabulary
-that is not a multiple of 64; the model swap; and the Trainer switch."""
+"""The causal-LM loss without logits (hf_apex.kernels.ops.lm_loss, its model swap in hf_apex.kernels.models.loss):
+the same loss and gradients as transformers' own, in FP32 and under BF16 autocast, with ignored labels,
+gradient-accumulation divisors, several chunks and a vocabulary that is not a multiple of 64; the model swap; and the
+Trainer switch."""
 
 import json
 import os
@@ -16,7 +17,8 @@ from torch._inductor.compile_fx import compile_fx
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
-from hf_apex.kernels import loss as fused
+from hf_apex.kernels.models import loss as fused
+from hf_apex.kernels.ops import lm_loss
 from tests.testing_utils import TokenDataset, tiny_model
 
 
@@ -45,7 +47,7 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("chunk_elements", [fused.CHUNK_ELEMENTS, 5 * 128])  # one chunk; 8 chunks of 4-5 positions
+@pytest.mark.parametrize("chunk_elements", [lm_loss.CHUNK_ELEMENTS, 5 * 128])  # one chunk; 8 chunks of 4-5 positions
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -65,7 +67,7 @@ def test_same_loss_and_gradients_as_transformers_in_fp32(chunk_elements, kwargs,
         labels[1, 2:6] = 7
     if "shift_labels" in kwargs:
         kwargs = {"shift_labels": kwargs["shift_labels"], "ignore_index": -1}
-    got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, scale, **kwargs)
+    got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels, scale, **kwargs)
     ref = loss_and_grads(reference, hidden, weight, labels, scale, **kwargs)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -76,7 +78,7 @@ def test_same_loss_and_gradients_as_transformers_in_fp32(chunk_elements, kwargs,
 def test_same_loss_and_gradients_under_bf16_autocast():
     hidden, weight, labels = inputs(vocab=100, d=32, seq=33)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+        got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels)
         ref = loss_and_grads(reference, hidden, weight, labels)
     # both round the logits to BF16 before an FP32 softmax: the loss agrees to FP32 summation order
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
@@ -84,7 +86,7 @@ def test_same_loss_and_gradients_under_bf16_autocast():
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == b.dtype == torch.float32
         assert rel_err(a, b) < 5e-3  # BF16's 8-bit mantissa: one rounding is 2**-9 = 2e-3 relative
-    fp32 = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+    fp32 = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels)
     assert not torch.equal(fp32[1], got[1])  # autocast really changed the matmuls
 
 
@@ -97,7 +99,7 @@ def test_under_fp16_autocast_small_gradients_are_not_flushed_to_zero():
     kwargs = {"num_items_in_batch": 8192}  # (a whole accumulated batch: 1 / 2000 / 8192 is FP16's smallest number)
     fp32 = loss_and_grads(reference, hidden, weight, labels, **kwargs)
     with torch.autocast("cpu", dtype=torch.float16):
-        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 65536.0, **kwargs)
+        got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels, 65536.0, **kwargs)
         ref = loss_and_grads(reference, hidden, weight, labels, 65536.0, **kwargs)
     for a, b, exact in zip(got[1:], ref[1:], fp32[1:]):
         assert rel_err(b / 65536, exact) < 5e-3  # the stock loss
@@ -110,7 +112,7 @@ def test_a_divisor_of_zero_gives_nan_loss_and_no_error(divisor):
     raising, and no position gets a non-finite gradient from a chunk in which no target counts."""
     hidden, weight, labels = inputs()
     labels[:] = -100
-    loss, grad_h, grad_w = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, num_items_in_batch=divisor)
+    loss, grad_h, grad_w = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels, num_items_in_batch=divisor)
     assert loss.isnan()
     assert torch.equal(grad_h, torch.zeros_like(grad_h)) and torch.equal(grad_w, torch.zeros_like(grad_w))
 
@@ -127,7 +129,7 @@ def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_grad
 
     hidden, weight, labels = inputs(vocab=100)
     torch._dynamo.reset()
-    got = loss_and_grads(torch.compile(fused.causal_lm_loss, backend=recording_inductor), hidden, weight, labels)
+    got = loss_and_grads(torch.compile(lm_loss.causal_lm_loss, backend=recording_inductor), hidden, weight, labels)
     ref = loss_and_grads(reference, hidden, weight, labels)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -138,7 +140,7 @@ def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_grad
 
 @pytest.fixture
 def interpreted_row_kernel(monkeypatch):
-    """The CUDA row kernel (`fused._rows_kernel`) run on CPU tensors by Triton's interpreter (tests/conftest.py
+    """The CUDA row kernel (`lm_loss._rows_kernel`) run on CPU tensors by Triton's interpreter (tests/conftest.py
     chooses it on a machine without a GPU; with one, tests/gpu runs the kernel itself), 32 columns a load."""
     pytest.importorskip(
         "triton", reason="Triton is not installed: the row kernel's maths is checked in its interpreter"
@@ -146,28 +148,28 @@ def interpreted_row_kernel(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is off (a GPU machine): tests/gpu/test_loss_gpu.py runs the kernel")
     try:
-        torch.library.wrap_triton(fused._rows_kernel())
+        torch.library.wrap_triton(lm_loss._rows_kernel())
     except RuntimeError as error:  # torch 2.11 refuses the interpreter's kernels; 2.13 takes them
         pytest.skip(f"torch {torch.__version__} cannot run Triton's interpreter through wrap_triton ({error})")
-    monkeypatch.setattr(fused, "_row_op", lambda hidden: fused._rows_op())
+    monkeypatch.setattr(fused, "_row_op", lambda hidden: lm_loss._rows_op())
     monkeypatch.setattr(fused, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
-    fused._rows_kernel.cache_clear()
+    lm_loss._rows_kernel.cache_clear()
     yield
-    fused._rows_kernel.cache_clear()
+    lm_loss._rows_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("chunk_bytes", [fused.ROW_CHUNK_BYTES, 5 * 128 * 4])  # one chunk; 8 in FP32, 4 in BF16
+@pytest.mark.parametrize("chunk_bytes", [lm_loss.ROW_CHUNK_BYTES, 5 * 128 * 4])  # one chunk; 8 in FP32, 4 in BF16
 def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_bytes, monkeypatch):
     """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
     the logits: the stock maths, with the padding columns and the ignored positions out of it."""
     monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", chunk_bytes)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
-    got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels, 3.0)
+    got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels, 3.0)
     ref = loss_and_grads(reference, hidden, weight, labels, 3.0)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the gradient is written in the logits' BF16
-        got = loss_and_grads(fused.causal_lm_loss, hidden, weight, labels)
+        got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels)
         ref = loss_and_grads(reference, hidden, weight, labels)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
     # twice test_same_loss_and_gradients_under_bf16_autocast's bound: the interpreter truncates FP32 to BF16 where
@@ -179,7 +181,7 @@ def test_the_row_kernel_without_gradients_leaves_the_logits_as_they_were(interpr
     logits = torch.randn(6, 128).to(torch.bfloat16)
     targets = torch.tensor([0, 99, -100, 5, 50, 7])
     kept = logits.clone()
-    losses = fused._rows_op()(logits, targets, torch.tensor(0.5), 100, -100, False)
+    losses = lm_loss._rows_op()(logits, targets, torch.tensor(0.5), 100, -100, False)
     assert torch.equal(logits, kept)
     ref = torch.nn.functional.cross_entropy(logits[:, :100].float(), targets, reduction="none")
     torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5)  # 0 where the target is ignored
@@ -193,7 +195,7 @@ _SM90_LOADS = textwrap.dedent(
     import re, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from hf_apex.kernels import loss
+    from hf_apex.kernels.ops import lm_loss as loss
     names = ["logits", "row_stride", "targets", "losses", "scale", "vocab", "cols", "ignore_index"]
     types = ["*bf16", "i32", "*i64", "*fp32", "*fp32", "i32", "i32", "i32"]
     signature = dict(zip(names, types)) | {"GRAD": "constexpr", "BLOCK": "constexpr"}
@@ -250,10 +252,10 @@ def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch
     monkeypatch.setattr(fused, "_row_op", lambda hidden: rows_in_torch)
     monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # several chunks
     hidden, weight, labels = inputs(vocab=100)
-    explained = torch._dynamo.explain(fused.causal_lm_loss)(hidden, weight, labels)
+    explained = torch._dynamo.explain(lm_loss.causal_lm_loss)(hidden, weight, labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
-    got = loss_and_grads(torch.compile(fused.causal_lm_loss, backend="aot_eager"), hidden, weight, labels)
+    got = loss_and_grads(torch.compile(lm_loss.causal_lm_loss, backend="aot_eager"), hidden, weight, labels)
     torch._dynamo.reset()
     for a, b in zip(got, loss_and_grads(reference, hidden, weight, labels)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -262,9 +264,9 @@ def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch
 def test_without_gradients_only_the_loss_and_a_frozen_head_gets_none():
     hidden, weight, labels = inputs()
     with torch.no_grad():
-        torch.testing.assert_close(fused.causal_lm_loss(hidden, weight, labels), reference(hidden, weight, labels))
+        torch.testing.assert_close(lm_loss.causal_lm_loss(hidden, weight, labels), reference(hidden, weight, labels))
     h = hidden.detach().requires_grad_(True)
-    fused.causal_lm_loss(h, weight.detach(), labels).backward()  # LoRA-style: the head is frozen
+    lm_loss.causal_lm_loss(h, weight.detach(), labels).backward()  # LoRA-style: the head is frozen
     ref_h = hidden.detach().requires_grad_(True)
     reference(ref_h, weight.detach(), labels).backward()
     torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_apex import rewire
-from hf_apex.kernels import norms, trace
+from hf_apex.kernels import trace
+from hf_apex.kernels.apex import norms
 
 
 class TorchExtension:
@@ -208,7 +209,7 @@ class GraphOps:
 def test_inside_a_graph_a_swapped_norm_runs_the_kernel_it_was_given(monkeypatch, graph_kernel):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from hf_apex.kernels import surgery
+    from hf_apex.kernels.models import surgery
 
     monkeypatch.setattr(norms, "_ops", GraphOps)
     monkeypatch.setattr(norms, "APEX_DEVICE_TYPES", ("cuda", "cpu"))  # the stand-ins run on the CPU
@@ -254,7 +255,7 @@ def test_apex_inside_graphs_only_where_its_kernel_runs():
 def test_inside_a_graph_apex_gives_way_where_it_cannot_run_and_is_not_pickled(monkeypatch):
     import pickle
 
-    from hf_apex.kernels import surgery
+    from hf_apex.kernels.models import surgery
 
     monkeypatch.setattr(norms, "_ops", GraphOps)
     for module in (surgery, norms):
@@ -285,7 +286,7 @@ def test_without_apex_s_python_ops_the_graphs_keep_the_stock_op(monkeypatch, cap
     import sys
     import types
 
-    from hf_apex.kernels import surgery
+    from hf_apex.kernels.models import surgery
 
     monkeypatch.setattr(surgery, "blocker", lambda component, device=None: None)  # apex's kernel runs, but
     monkeypatch.setattr(norms, "_ops", None)

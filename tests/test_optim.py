@@ -5,9 +5,9 @@ import types
 import pytest
 import torch
 
-from hf_apex.kernels import optim
-from hf_apex.kernels.norms import ApexKernelError
-from hf_apex.kernels.optim import FusedAdamFallback, apex_optimizer_cls_and_kwargs
+from hf_apex.kernels.apex import optim
+from hf_apex.kernels.apex.norms import ApexKernelError
+from hf_apex.kernels.apex.optim import FusedAdamFallback, apex_optimizer_cls_and_kwargs
 
 
 def _apex_reference_step(p, g, m, v, step, lr, betas, eps, wd, adam_w_mode=True):

@@ -6,8 +6,8 @@ import torch
 import transformers
 
 from hf_apex import ApexTrainingArguments, StagePlan
-from hf_apex.kernels.loss import is_fused
-from hf_apex.kernels.norms import is_swapped
+from hf_apex.kernels.apex.norms import is_swapped
+from hf_apex.kernels.models.loss import is_fused
 from tests.testing_utils import TokenDataset, tiny_model
 
 

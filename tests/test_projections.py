@@ -1,12 +1,12 @@
 """The recipe's fuse_projections: the linears that read one input run as one matmul under torch.compile, with the stock
-loss and gradients (hf_apex.kernels.projections). The pass runs here on the graphs Dynamo hands a backend, which
+loss and gradients (hf_apex.kernels.passes.projections). The pass runs here on the graphs Dynamo hands a backend, which
 then runs them as they are; tests/test_trainer.py runs it inside Inductor, through ApexTrainer."""
 
 import pytest
 import torch
 from torch import nn
 
-from hf_apex.kernels.projections import LINEAR, fuse_shared_input_linears
+from hf_apex.kernels.passes.projections import LINEAR, fuse_shared_input_linears
 from tests.testing_utils import tiny_inputs, tiny_model
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_apex.kernels.availability import portable_path
+from hf_apex.kernels.apex.availability import portable_path
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.testing_utils import SHARED_DATA, require_shared_data
 

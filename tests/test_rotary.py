@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from hf_apex.kernels.rotary import compute_rotary_once, restore_rotary
+from hf_apex.kernels.models.rotary import compute_rotary_once, restore_rotary
 from tests.testing_utils import tiny_model
 
 LAYERS = 4

@@ -10,7 +10,7 @@ from transformers import TrainerCallback, masking_utils, set_seed
 from transformers.modeling_utils import AttentionInterface
 
 from hf_apex import STAGES, ApexTrainer
-from hf_apex.kernels.attention import STATIC_MASKS
+from hf_apex.kernels.models.attention import STATIC_MASKS
 from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, tiny_model
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from hf_apex import ApexTrainer
-from hf_apex.kernels.optim import FusedAdamFallback
+from hf_apex.kernels.apex.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_trainer import train_args
 from tests.testing_utils import TokenDataset, tiny_model

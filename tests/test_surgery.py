@@ -10,8 +10,8 @@ from transformers import Trainer
 
 from hf_apex import rewire, unrewire
 from hf_apex.kernels import trace
-from hf_apex.kernels.norms import ApexFusedLayerNorm, ApexKernelError, is_swapped, swapped_class
-from hf_apex.kernels.surgery import _is_norm
+from hf_apex.kernels.apex.norms import ApexFusedLayerNorm, ApexKernelError, is_swapped, swapped_class
+from hf_apex.kernels.models.surgery import _is_norm
 from tests.testing_utils import TINY, tiny_inputs, tiny_model
 
 # family -> the stock norm class its swapped modules come from

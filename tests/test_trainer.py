@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_apex import STAGES, ApexTrainer, ApexTrainingArguments, StageMetricsCallback
-from hf_apex.kernels.norms import is_swapped
-from hf_apex.kernels.optim import FusedAdamFallback
+from hf_apex.kernels.apex.norms import is_swapped
+from hf_apex.kernels.apex.optim import FusedAdamFallback
 from hf_apex.measure.report import METRICS_FILENAME, process_age_s, summary_lines
 from hf_apex.policy import fsdp_version, validate_apex_args
 from tests.testing_utils import TokenDataset, tiny_model
@@ -417,7 +417,7 @@ def test_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_indu
     import torch._inductor.config as inductor
     from torch._dynamo.utils import counters
 
-    from hf_apex.kernels.projections import COUNTER
+    from hf_apex.kernels.passes.projections import COUNTER
 
     def run(name, **switches):
         torch._dynamo.reset()
@@ -444,7 +444,7 @@ def test_fuse_projections_runs_llamas_projections_as_two_matmuls_a_layer_in_indu
 
 def test_fastest_fuses_projections_in_an_encoder_and_not_in_a_causal_lm(tmp_path):
     """`auto` (fastest's value): BERT's compiled steps run the pass, a Llama's and a GPT-2's do not."""
-    from hf_apex.kernels.projections import FUSE_SHARED_INPUT_LINEARS
+    from hf_apex.kernels.passes.projections import FUSE_SHARED_INPUT_LINEARS
     from hf_apex.policy import compile_settings
 
     args = ApexTrainingArguments(output_dir=str(tmp_path), stage="fastest", use_cpu=True)
@@ -735,7 +735,7 @@ def test_bf16_autocast_warns_on_a_cpu_without_bf16_hardware(native_bf16, tmp_pat
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from Linux's /proc/cpuinfo")
 def test_native_bf16_is_what_the_cpu_flags_say():
-    from hf_apex.kernels.availability import cpu_has_native_bf16
+    from hf_apex.kernels.apex.availability import cpu_has_native_bf16
 
     flags = set(Path("/proc/cpuinfo").read_text().split())
     assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_tile"})
@@ -762,7 +762,7 @@ def test_epoch_logging_carries_the_stage_metrics(tmp_path):
 
 
 def test_an_all_ones_attention_mask_is_left_out_and_masks_are_decided_on_the_host(tmp_path):
-    from hf_apex.kernels.attention import STATIC_MASKS
+    from hf_apex.kernels.models.attention import STATIC_MASKS
     from hf_apex.runtime import DropFullAttentionMask
 
     collate = DropFullAttentionMask(torch.utils.data.default_collate)

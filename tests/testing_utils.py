@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from hf_apex.kernels.availability import blocker
+from hf_apex.kernels.apex.availability import blocker
 
 # The real data (../shared/data beside the checkout); HF_APEX_DATA_DIR points at a copy (a GPU machine's .deps/data).
 SHARED_DATA = Path(os.environ.get("HF_APEX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -60,7 +60,7 @@ for step in "$@"; do
       if ls .deps/apex-prebuilt/*.part-* > /dev/null 2>&1; then  # a build of an earlier session (step apexpack)
         cat .deps/apex-prebuilt/*.part-* | tar xzf - -C $SITE && echo "apex: the prebuilt copy in .deps/apex-prebuilt"
       fi
-      if ! python3 -c "import sys; from hf_apex.kernels.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
+      if ! python3 -c "import sys; from hf_apex.kernels.apex.availability import is_fused_adam_available as a, is_fused_norm_available as n; sys.exit(0 if a() and n() else 1)"; then
         # only the extensions hf_apex loads (all twelve took 153-179 s to compile here); all of them if that fails
         timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex APEX_EXTENSIONS=hf_apex > $OUT/apex.log 2>&1 \
           || timeout -k 10 $(left) make apex OFFLINE=1 APEX_SRC=.deps/apex >> $OUT/apex.log 2>&1; echo "apex rc $?"

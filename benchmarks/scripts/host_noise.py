@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 import bench  # noqa: E402
 
-from hf_apex.kernels.availability import portable_path  # noqa: E402
+from hf_apex.kernels.apex.availability import portable_path  # noqa: E402
 
 SETTINGS = {
     "default": ([], {}, []),

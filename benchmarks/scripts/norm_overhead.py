@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from hf_apex import rewire, unrewire
-from hf_apex.kernels import norms
+from hf_apex.kernels.apex import norms
 from hf_apex.measure.report import provenance
 
 

@@ -4,9 +4,9 @@ usage: python benchmarks/scripts/row_kernel.py [--out FILE.json] [--rows 4096] [
        [--calls 20]
        (needs a CUDA GPU; the shape is one of GPT-2's four chunks at the bench's 16 x 1024 tokens)
 
-hf_apex's kernel (`hf_apex.kernels.loss._rows_kernel`) runs one program per row of a chunk's BF16 logits: a first
-pass over the row for its log-sum-exp (an online max and sum, both reduced across the program at every load), then a
-second pass that reads the row again and writes the gradient over it. At 4,096 rows of 50,304 columns a chunk is
+hf_apex's kernel (`hf_apex.kernels.ops.lm_loss._rows_kernel`) runs one program per row of a chunk's BF16 logits: a
+first pass over the row for its log-sum-exp (an online max and sum, both reduced across the program at every load),
+then a second pass that reads the row again and writes the gradient over it. At 4,096 rows of 50,304 columns a chunk is
 412 MB; if the second pass misses L2, the kernel moves 1.24 GB. The variants here:
 
 - `hf_apex`: hf_apex's op, as its loss calls it (its ROW_BLOCK and ROW_WARPS, or e.g. `hf_apex@block=8192,warps=16`);
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, ".")
-from hf_apex.kernels import loss as L  # noqa: E402
+from hf_apex.kernels.ops import lm_loss as L  # noqa: E402
 
 # hf_apex's settings, before a variant sets its own, and the whole-row variants' warps
 DEFAULTS = {"block": L.ROW_BLOCK, "warps": L.ROW_WARPS, "wwarps": 32}

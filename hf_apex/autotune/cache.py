@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from .. import distributed
-from ..kernels.availability import environment
+from ..kernels.apex.availability import environment
 
 logger = logging.getLogger("hf_apex")
 

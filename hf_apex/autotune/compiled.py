@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from .. import distributed
 from ..internals import cache_artifacts_new, dynamo_counters, fresh_cache_artifacts
-from ..kernels.availability import portable_path
+from ..kernels.apex.availability import portable_path
 from .cache import DecisionCache, default_cache_path, environment_key
 
 logger = logging.getLogger("hf_apex")

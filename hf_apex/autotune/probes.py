@@ -15,8 +15,9 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from ..kernels import attention, norms
-from ..kernels.norms import stock_class
+from ..kernels.apex import norms
+from ..kernels.apex.norms import stock_class
+from ..kernels.models import attention
 from ..kernels.trace import APEX, TORCH
 
 
@@ -208,7 +209,7 @@ def optimizer_probe(params: list[torch.Tensor], kwargs: dict) -> tuple[dict[str,
     """``(candidates, parity)`` for the optimizer: one step of apex FusedAdam or torch AdamW(fused=True) on copies
     of ``params`` with random gradients, and whether three of apex's steps match torch's within FP32's tolerance.
     Only the AdamW hyper-parameters both implement are used (``lr``, ``betas``, ``eps``)."""
-    from ..kernels.optim import apex_optimizer_class
+    from ..kernels.apex.optim import apex_optimizer_class
 
     common = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"], "weight_decay": 0.01}
     with torch.random.fork_rng(devices=[params[0].device] if params and params[0].is_cuda else []):

@@ -17,8 +17,9 @@ import torch
 
 from .. import distributed
 from ..internals import attn_implementation
-from ..kernels import attention, norms
-from ..kernels.norms import stock_class
+from ..kernels.apex import norms
+from ..kernels.apex.norms import stock_class
+from ..kernels.models import attention
 from ..kernels.trace import APEX, TORCH
 from .cache import DecisionCache, environment_key
 from .probes import attention_probe, cuda_timer, norm_probe, optimizer_probe, passes_probe

@@ -1,2 +1,4 @@
-"""What talks to apex: availability (the one "can it run here, and why not"), the norm modules and their
-surgery, the optimizers, and the trace of which implementation ran."""
+"""The kernels and what puts them in a model: ``apex/`` binds apex's (availability, norms, optimizers), ``ops/``
+holds hf_apex's own (the loss without logits), ``models/`` changes a transformers model per instance and reversibly
+(norms rewired, the loss, RoPE, attention), ``passes/`` holds compiler passes; ``swap.py`` is the class swap they
+share, ``trace.py`` the record of which implementation ran."""

@@ -85,7 +85,7 @@ APEX_KERNELS: dict[str, re.Pattern] = {
 }
 
 
-# Kernel-name patterns of the SDPA backends (hf_apex.kernels.attention): PyTorch's FlashAttention-2 port, its
+# Kernel-name patterns of the SDPA backends (hf_apex.kernels.models.attention): PyTorch's FlashAttention-2 port, its
 # memory-efficient (cutlass) kernels and cuDNN's generated SDPA kernels (whose names say "flash_fprop", not
 # "flash_fwd"). The math backend runs plain matmuls and a softmax: nothing names it.
 SDPA_KERNELS: dict[str, re.Pattern] = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.availability import environment, portable_path
+from ..kernels.apex.availability import environment, portable_path
 from .flops import MFU_FORMULA, flops_per_token
 from .steps import StepRecord
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..internals import FUNCTORCH_CONFIG, INDUCTOR_CONFIG, attn_implementation, uncompiled
-from ..kernels.attention import STATIC_MASKS
-from ..kernels.norms import is_swapped
+from ..kernels.apex.norms import is_swapped
+from ..kernels.models.attention import STATIC_MASKS
 from ..kernels.trace import APEX, TORCH
 from ..policy import why_not_fuse_projections
 from ..runtime import DropFullAttentionMask, loss_reads_outputs

@@ -160,7 +160,7 @@ def test_kernel_profiles_one_after_another_name_the_sdpa_backend_or_nothing(betw
 
 def test_compiled_training_steps_hand_sdpa_is_causal(tmp_path, monkeypatch):
     """Under the installed transformers, on CUDA: the graphs Dynamo traces in ApexTrainer's compiled training and
-    evaluation steps call SDPA with no mask and is_causal (hf_apex.kernels.attention.one_sequence_per_row; a
+    evaluation steps call SDPA with no mask and is_causal (hf_apex.kernels.models.attention.one_sequence_per_row; a
     graph-recording stand-in for the eager backend, as tests/test_attention.py does on a CPU)."""
     calls = record_sdpa_calls_as_eager(monkeypatch)
     torch._dynamo.reset()

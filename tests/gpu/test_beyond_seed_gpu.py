@@ -183,7 +183,7 @@ def test_fused_projections_follow_the_compiled_loss_curve(tmp_path, model_name, 
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    from hf_apex.kernels import projections
+    from hf_apex.kernels.passes import projections
 
     plain = train(tmp_path / "plain", "compiled", model_name=model_name)
     fused_per_graph, run_pass = [], projections.FuseSharedInputLinears.__call__

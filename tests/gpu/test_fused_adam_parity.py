@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_apex.kernels.optim import FusedAdamFallback, apex_optimizer_class
+from hf_apex.kernels.apex.optim import FusedAdamFallback, apex_optimizer_class
 from tests.testing_utils import require_apex, require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda, require_apex]

@@ -5,10 +5,12 @@ import pytest
 import torch
 import transformers
 
-from hf_apex.kernels import loss as fused
 from hf_apex.kernels import trace
-from hf_apex.kernels.availability import has_triton_ops
-from hf_apex.kernels.loss import causal_lm_loss, fuse_linear_cross_entropy
+from hf_apex.kernels.apex.availability import has_triton_ops
+from hf_apex.kernels.models import loss as fused
+from hf_apex.kernels.models.loss import fuse_linear_cross_entropy
+from hf_apex.kernels.ops import lm_loss
+from hf_apex.kernels.ops.lm_loss import causal_lm_loss
 from tests.testing_utils import require_cuda
 
 pytestmark = [pytest.mark.gpu, require_cuda]
@@ -73,7 +75,7 @@ def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(comp
     compiled graph, with the results of the same chunk in torch's ops (BF16 autocast, GPT-2's vocabulary)."""
     if not has_triton_ops():
         pytest.skip("Triton cannot run here: the chunks run in torch's ops")
-    assert fused._register_row_kernel()  # (as a fused model's setup does, before anything is compiled)
+    assert lm_loss._register_row_kernel()  # (as a fused model's setup does, before anything is compiled)
     g = torch.Generator("cuda").manual_seed(0)
     hidden = torch.randn(4096, 768, device="cuda", generator=g, requires_grad=True)
     weight = (0.02 * torch.randn(50257, 768, device="cuda", generator=g)).requires_grad_()

@@ -9,7 +9,7 @@ import torch
 from transformers import set_seed
 
 from hf_apex import ApexTrainer
-from hf_apex.kernels.attention import STATIC_MASKS
+from hf_apex.kernels.models.attention import STATIC_MASKS
 from hf_apex.measure.report import METRICS_FILENAME
 from tests.test_run_state import changed, process_state
 from tests.test_subclass import DistillationTrainer, LogReader

@@ -31,14 +31,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers import masking_utils
 
-from ..internals import (
+from ...internals import (
     attn_implementation,
     can_set_attn_implementation,
     functorch_config,
     sdp_priority_order,
     settle_sdp_priority,
 )
-from .trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
+from ..trace import TORCH  # the autotuner's reference candidate: here, PyTorch's own choice
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

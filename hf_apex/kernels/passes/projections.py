@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from ..internals import ATEN_LINEAR, custom_graph_pass, dynamo_counters, is_fake_tensor, op_schema
+from ...internals import ATEN_LINEAR, custom_graph_pass, dynamo_counters, is_fake_tensor, op_schema
 
 CustomGraphPass, get_hash_for_files = custom_graph_pass()
 LINEAR = (ATEN_LINEAR, torch.nn.functional.linear)

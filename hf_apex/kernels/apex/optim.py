@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..stages import APEX_OPTIMIZERS
+from ...stages import APEX_OPTIMIZERS
+from ..trace import APEX, FALLBACK, TORCH, KernelRoute
 from .availability import blocker, fix_for
 from .norms import ApexKernelError
-from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
 

@@ -17,9 +17,7 @@ Between a chunk's matmuls, on a CUDA GPU with Triton, one kernel of hf_apex's (:
 softmax's work: it reads the chunk's BF16 logits once for the log-sum-exp (an online max and sum) and once more to
 write the gradient in their place. Elsewhere (a CPU) torch's ops do it, fused by Inductor under torch.compile.
 
-:func:`fuse_linear_cross_entropy` swaps a model's class, on that instance only, for a subclass whose forward
-computes its training loss this way (``print(model)`` says so); evaluation, generation and calls without labels
-run the stock forward.
+:mod:`hf_apex.kernels.models.loss` gives a model this loss.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ import functools
 import torch
 from torch import nn
 
-from .availability import has_mm_out_dtype, has_triton_ops
-from .swap import Swap, restore, stock_class, swap
+from ..apex.availability import has_mm_out_dtype, has_triton_ops
 
 PAD_MULTIPLE = 64  # rows of the head's weight in the matmuls: 50,257 -> 50,304
 CHUNK_ELEMENTS = 2**27  # logits per chunk at most in torch's ops (FP32: 512 MiB): 1, 2, 4... chunks
@@ -41,10 +38,6 @@ ROW_CHUNK_BYTES = 2**31
 # The head's gradient written in FP32 by its matmul on CUDA (_matmul_fp32); False: a BF16 matmul and a cast.
 FP32_HEAD_GRAD = True
 _MM_OUT_DTYPE = has_mm_out_dtype()  # (read as a constant under torch.compile)
-# Families whose LM forward is exactly ``loss_function(lm_head(base_model(...).last_hidden_state), labels)``.
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo", "gpt_neox")
-# Config attributes that put something between the head and the softmax in some families.
-_LOGIT_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 # The row kernel's columns per load and warps per row, the fastest timed on an H200 (benchmarks/scripts/row_kernel.py
@@ -280,105 +273,3 @@ def causal_lm_loss(
             grads and hidden.requires_grad,
             grads and weight.requires_grad,
         )
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers causal LM by its class: a ``...ForCausalLM`` or a ``...LMHeadModel``
-    (GPT-2's)."""
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-
-
-def unsupported(model: nn.Module) -> str | None:
-    """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can: a
-    transformers causal LM (``...ForCausalLM``, or GPT-2's ``GPT2LMHeadModel``) of a family in ``SUPPORTED``, whose
-    forward is its base model then a bias-free linear head and nothing between the head and the softmax. Wrappers
-    (PEFT's, say) and models with other heads are left alone."""
-    from transformers import PreTrainedModel
-
-    name = type(model).__name__
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if not isinstance(model, PreTrainedModel) or not is_causal_lm(model):
-        return f"{name}: not a transformers causal LM (...ForCausalLM)"
-    if model_type not in SUPPORTED:
-        return f"{name}: only causal LMs of {', '.join(SUPPORTED)} (not {model_type})"
-    base = model.base_model
-    if base is model or not isinstance(base, PreTrainedModel):
-        return f"{name}: no base model apart from the head"
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        return f"{name}: the LM head is not a bias-free nn.Linear"
-    if getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
-        return f"{name}: its loss is {model.loss_type}, not the causal-LM cross-entropy"
-    extras = [a for a in _LOGIT_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
-    if extras:
-        return f"{name}: its logits are transformed before the loss ({', '.join(extras)})"
-    return None
-
-
-class _FusedLossLM(Swap):
-    """The forward of a model whose training loss is :func:`causal_lm_loss` (mixed in before its own class)."""
-
-    def forward(self, *args, labels=None, **kwargs):
-        # FP16 autocast keeps the stock loss: the chunks' gradients would be summed in FP16 before the GradScaler's
-        # scale applies (the stock path lets the scaler lower the scale where this could only overflow).
-        fp16 = (
-            torch.is_autocast_enabled(self.device.type) and torch.get_autocast_dtype(self.device.type) == torch.float16
-        )
-        if labels is None or not self.training or not torch.is_grad_enabled() or fp16:
-            return super().forward(*args, labels=labels, **kwargs)
-        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
-        kwargs.pop("logits_to_keep", None)
-        outputs = self.base_model(*args, **kwargs)
-        loss = causal_lm_loss(outputs[0], self.get_output_embeddings().weight, labels, **loss_kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,  # never computed
-            hidden_states=getattr(outputs, "hidden_states", None),
-            attentions=getattr(outputs, "attentions", None),
-        )
-
-    def extra_repr(self) -> str:
-        return "training loss: chunked LM head + cross-entropy (hf_apex; no FP32 logits, vocabulary padded to x64)"
-
-    @classmethod
-    def swap_members(cls, stock_cls: type) -> dict:
-        """The stock class's name, which ``save_pretrained`` writes into ``config.architectures`` for other tools to
-        load by, and its forward's signature and docs: the Trainer keeps the dataset columns that the signature
-        names. ``print(model)`` shows the swap in its first line inside."""
-
-        @functools.wraps(stock_cls.forward)
-        def forward(self, *args, **kwargs):
-            return _FusedLossLM.forward(self, *args, **kwargs)
-
-        return {**super().swap_members(stock_cls), "forward": forward}
-
-
-def is_fused(model: nn.Module) -> bool:
-    return isinstance(model, _FusedLossLM)
-
-
-def stock_model_class(model: nn.Module) -> type:
-    """The class ``model`` had before :func:`fuse_linear_cross_entropy` (wrappers that subclassed the swapped class
-    since, such as FSDP2's, are not it)."""
-    return stock_class(model, _FusedLossLM) or type(model)
-
-
-def fuse_linear_cross_entropy(model: nn.Module) -> str | None:
-    """Compute ``model``'s training loss with :func:`causal_lm_loss` (a class swap on this instance; idempotent).
-    Returns None when done, else why not (the model is left as it was)."""
-    if is_fused(model):
-        return None
-    reason = unsupported(model)
-    if reason is None:
-        swap(model, _FusedLossLM)
-        _register_row_kernel()  # (here, before torch.compile traces the loss)
-    return reason
-
-
-def unfuse_linear_cross_entropy(model: nn.Module) -> bool:
-    """Give ``model`` back its stock class; False (and nothing done) where a wrapper (FSDP2's) has subclassed the
-    fused class since, which only that wrapper could undo."""
-    return not is_fused(model) or restore(model, _FusedLossLM)

@@ -2,7 +2,7 @@
 
 ``rewire(model)`` walks the module tree once. Each ``torch.nn.LayerNorm``, each RMSNorm of the common HF
 families and OLMo's weightless LayerNorm becomes an apex-backed subclass of its own class (see
-:mod:`hf_apex.kernels.norms`); every other module whose class is a norm is listed in the report with the reason
+:mod:`hf_apex.kernels.apex.norms`); every other module whose class is a norm is listed in the report with the reason
 it was left alone, so the report accounts for every norm. ``unrewire(model)`` restores the stock classes. Both
 work on the instance; no class or module of transformers is patched.
 """
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .availability import blocker
-from .norms import (
+from ..apex.availability import blocker
+from ..apex.norms import (
     KINDS,
     SWAP_ATTRIBUTES,
     WEIGHTLESS_LAYER_NORMS,
@@ -29,8 +29,8 @@ from .norms import (
     rms_norm_eps,
     stock_class,
 )
-from .swap import restore, swap
-from .trace import APEX, TORCH
+from ..swap import restore, swap
+from ..trace import APEX, TORCH
 
 logger = logging.getLogger("hf_apex")
 

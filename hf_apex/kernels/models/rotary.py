@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .swap import Swap, restore, swap
+from ..swap import Swap, restore, swap
 
 
 @torch.library.custom_op("hf_apex::materialize", mutates_args=())

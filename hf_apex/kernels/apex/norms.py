@@ -32,10 +32,10 @@ import logging
 import torch
 from torch import nn
 
-from . import swap
+from .. import swap
+from ..swap import Swap
+from ..trace import APEX, FALLBACK, TORCH, KernelRoute
 from .availability import blocker, fix_for
-from .swap import Swap
-from .trace import APEX, FALLBACK, TORCH, KernelRoute
 
 logger = logging.getLogger("hf_apex")
 APEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

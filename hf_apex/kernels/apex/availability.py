@@ -128,7 +128,7 @@ def is_fused_norm_available() -> bool:
 def has_triton_ops() -> bool:
     """hf_apex's own Triton kernels can run: Triton compiles for this machine's GPU and torch registers Triton
     kernels as ops (`torch.library.triton_op`, torch >= 2.6)."""
-    from ..internals import has_triton
+    from ...internals import has_triton
 
     return torch.cuda.is_available() and hasattr(torch.library, "triton_op") and has_triton()
 

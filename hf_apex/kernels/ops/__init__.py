@@ -1,0 +1,1 @@
+"""hf_apex's own ops: a causal LM's loss without its logits (lm_loss)."""

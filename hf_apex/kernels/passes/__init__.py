@@ -1,0 +1,1 @@
+"""Compiler passes: linears that read one input fused into one matmul (projections)."""
