@@ -223,11 +223,21 @@ _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 
 class BucketCollator:
     """A padding collator's batches padded further, to the shortest of ``buckets`` that holds them: the 2-D tensors
     of the batch (input ids, attention mask, token type ids, per-token labels) get more padding on the right. With
-    examples grouped by length (the ``group_by_length`` sampler), few shapes and little padding. ``REAL_TOKENS``:
-    the attention mask's ones."""
+    examples grouped by length (the ``group_by_length`` sampler), few shapes and little padding. With ``rows`` (for
+    training: the run's per-device batch size), a batch of fewer examples, the epoch's last, gets rows of padding
+    that change nothing (:meth:`fill_rows`), so that it is no new shape; without, each batch keeps its examples only,
+    as evaluation needs (its predictions are per row). ``REAL_TOKENS``: the attention mask's ones, the real rows'."""
 
-    def __init__(self, collator, buckets: Sequence[int], pad_token_id: int = 0):
+    def __init__(
+        self,
+        collator,
+        buckets: Sequence[int],
+        pad_token_id: int = 0,
+        rows: int | None = None,
+        example_labels: bool = False,
+    ):
         self.collator, self.buckets, self.pad_token_id = collator, sorted(buckets), pad_token_id
+        self.rows, self.example_labels = rows, example_labels
 
     def __call__(self, features: list[dict]) -> dict:
         batch = dict(self.collator(features))
@@ -242,11 +252,51 @@ class BucketCollator:
                     fill = _PAD_VALUES.get(key, self.pad_token_id)
                     batch[key] = torch.nn.functional.pad(value, (0, target - width), value=fill)
         mask = batch.get("attention_mask")
-        batch[REAL_TOKENS] = int(mask.sum()) if torch.is_tensor(mask) else ids.numel()
+        real = int(mask.sum()) if torch.is_tensor(mask) else ids.numel()
+        batch = self.fill_rows(batch)
+        batch[REAL_TOKENS] = real
         return batch
 
+    def fill_rows(self, batch: dict) -> dict:
+        """``batch`` with rows of padding up to ``rows``, where every key has a padding the loss ignores: the pad
+        token, ``_PAD_VALUES`` (masks 0, per-token labels ``-100``), and ``-100`` for an example's one integer label
+        where the model's loss ignores it (``example_labels``: :func:`ignores_example_labels`). The loss is then the
+        short batch's (the mean is over the labels not ignored), and so is ``num_items_in_batch``. Anything else (a
+        float label: regression, multi-label targets; a key of unknown meaning) leaves the batch short."""
+        n, width = batch["input_ids"].shape
+        if self.rows is None or n >= self.rows:
+            return batch
+        fills = {}
+        for key, value in batch.items():
+            if not torch.is_tensor(value) or value.shape[:1] != (n,):
+                return batch
+            integer = not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+            if key == "input_ids":
+                fills[key] = self.pad_token_id
+            elif key in _PAD_VALUES and value.shape == (n, width) and (key != "labels" or integer):
+                fills[key] = _PAD_VALUES[key]
+            elif key == "labels" and value.shape == (n,) and integer and self.example_labels:
+                fills[key] = IGNORE_INDEX
+            else:
+                return batch
+        more = self.rows - n
+        return {k: torch.cat([v, v.new_full((more, *v.shape[1:]), fills[k])]) for k, v in batch.items()}
+
     def __repr__(self) -> str:
-        return f"BucketCollator({self.collator!r}, buckets={self.buckets})"
+        rows = f", rows={self.rows}" if self.rows is not None else ""
+        return f"BucketCollator({self.collator!r}, buckets={self.buckets}{rows})"
+
+
+def ignores_example_labels(model) -> bool:
+    """Whether ``model``'s loss ignores an example whose one label is ``-100``: transformers' single-label sequence
+    classification, a cross-entropy (``ignore_index=-100``) over integer labels. Its regression (one label, the
+    default for ``num_labels=1``) would take ``-100`` for a target."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if not type(base).__name__.endswith("ForSequenceClassification") or config is None:
+        return False
+    problem = getattr(config, "problem_type", None)
+    return problem == "single_label_classification" or (problem is None and getattr(config, "num_labels", 1) > 1)
 
 
 def take_real_tokens(inputs):
@@ -294,7 +344,9 @@ def packs_documents(model) -> str | None:
 @dataclasses.dataclass
 class Batches:
     """What a run trains and evaluates on under a layout: the datasets, the collator, the sampler strategy
-    (``group_by_length`` for buckets) and what the metrics JSON says of it."""
+    (``group_by_length`` for buckets) and what the metrics JSON says of it. ``train_collator``, where given, is the
+    training batches' (buckets: a short batch filled up with rows of padding); ``collator`` then serves evaluation,
+    whose batches keep their real rows only."""
 
     layout: str
     train_dataset: object
@@ -302,6 +354,7 @@ class Batches:
     collator: object
     sampling: str | None
     report: dict
+    train_collator: object = None
 
     def arguments(self, args):
         """``args``, or a copy that samples the training set as this layout needs (buckets: grouped by length)."""
@@ -341,8 +394,9 @@ def for_run(args, model, train_dataset, eval_dataset, collator, processing_class
 def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, length=None, pad_token_id=None) -> Batches:
     """The run's batches under ``layout`` (one of ``LAYOUTS``; ``"auto"``: packed documents for a causal LM that can
     take them, else buckets; nothing where every example has one length). ``rows``: examples (or packed rows) per
-    batch; ``length``: a packed row's tokens (default: the model's maximum positions, at most 1024). Packed documents
-    are packed for evaluation too (the collator serves both)."""
+    batch (a short training batch of buckets is filled up to it); ``length``: a packed row's tokens (default: the
+    model's maximum positions, at most 1024). Packed documents are packed for evaluation too (the collator serves
+    both)."""
     lengths = column(train_dataset, "input_ids") if layout != "off" else None
     pad = pad_token_id if pad_token_id is not None else getattr(getattr(model, "config", None), "pad_token_id", None)
     pad = pad if isinstance(pad, int) else 0
@@ -394,9 +448,9 @@ def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, lengt
         return Batches("documents", train, evaluation, PackedCollator(length, rows, pad), None, report)
     buckets = bucket_lengths(max(sizes))
     report = {"layout": "buckets", "why": why, "buckets": buckets, "sampler": "group_by_length"}
-    return Batches(
-        "buckets", train_dataset, eval_dataset, BucketCollator(collator, buckets, pad), "group_by_length", report
-    )
+    evaluation = BucketCollator(collator, buckets, pad)
+    train = BucketCollator(collator, buckets, pad, rows=rows, example_labels=ignores_example_labels(model))
+    return Batches("buckets", train_dataset, eval_dataset, evaluation, "group_by_length", report, train)
 
 
 def as_rows(trainer_name: str, args, collator) -> Batches | None:

@@ -6,7 +6,12 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DataCollatorWithPadding
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    default_data_collator,
+)
 
 from hf_apex import ApexTrainer, ApexTrainingArguments
 from hf_apex.data import (
@@ -21,7 +26,7 @@ from hf_apex.data import (
 )
 from hf_apex.kernels.models.attention import use_static_masks
 from hf_apex.measure.report import METRICS_FILENAME
-from tests.testing_utils import VOCAB, TokenDataset, tiny_model
+from tests.testing_utils import SHARED_DATA, VOCAB, TokenDataset, require_shared_data, tiny_model, word_level_tokenizer
 
 CAUSAL = ["gpt2", "llama", "qwen3", "gpt_neox"]
 
@@ -228,6 +233,107 @@ def test_buckets_pad_each_batch_to_one_of_a_few_lengths():
     assert batch[REAL_TOKENS] == sum(len(e["input_ids"]) for e in examples)
 
 
+def sentences(docs, labels) -> list[dict]:
+    """Tokenized examples as a tokenizer gives them (token types, special tokens mask), with ``labels``."""
+    return [
+        {
+            "input_ids": d,
+            "token_type_ids": [0] * len(d),
+            "attention_mask": [1] * len(d),
+            "special_tokens_mask": [0] * len(d),
+            "labels": y,
+        }
+        for d, y in zip(docs, labels)
+    ]
+
+
+def test_a_short_training_batch_of_buckets_is_filled_up_to_the_batch_size_with_padding_rows():
+    tok, docs = word_level_tokenizer(), documents(n=5, lo=2, hi=30, seed=5)
+    batches = arrange(
+        "buckets", tiny_model("bert"), Examples(docs, label=True), None, DataCollatorWithPadding(tok), rows=8
+    )
+    train, evaluation = batches.train_collator, batches.collator
+    assert train.rows == 8 and train.example_labels and evaluation.rows is None  # evaluation: the real rows only
+    features = sentences(docs, [i % 2 for i in range(5)])
+    short, full = evaluation(features), train(features)
+    width = short["input_ids"].shape[1]
+    assert width in batches.report["buckets"] and short["input_ids"].shape == (5, width) and set(full) == set(short)
+    assert full[REAL_TOKENS] == short[REAL_TOKENS] == sum(map(len, docs))
+    fills = {
+        "input_ids": tok.pad_token_id,
+        "token_type_ids": 0,
+        "attention_mask": 0,
+        "special_tokens_mask": 1,
+        "labels": IGNORE_INDEX,
+    }
+    for key, fill in fills.items():
+        assert full[key].shape == (8, *short[key].shape[1:]) and full[key].dtype == short[key].dtype
+        assert torch.equal(full[key][:5], short[key]) and (full[key][5:] == fill).all()
+    assert train(features + features[:3])["input_ids"].shape[0] == 8  # a full batch as it was
+    per_token = BucketCollator(DataCollatorForTokenClassification(tok), batches.report["buckets"], rows=8)
+    tagged = per_token([{**f, "labels": [1] * len(f["input_ids"])} for f in features])  # token classification
+    assert tagged["labels"].shape == (8, width) and (tagged["labels"][5:] == IGNORE_INDEX).all()
+    unmasked = BucketCollator(default_data_collator, [16], rows=8, example_labels=True)  # no mask: every token counts
+    blocks = unmasked([{"input_ids": d, "labels": 1} for d in documents(n=5, lo=16, hi=16)])
+    assert blocks["input_ids"].shape == (8, 16) and blocks[REAL_TOKENS] == 5 * 16  # the real rows' only
+
+
+@pytest.mark.parametrize("source", ["generated", pytest.param("sst2", marks=require_shared_data)])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_bert_learns_from_a_filled_batch_what_it_learns_from_the_short_one(source, attention):
+    """FP32 on the CPU. The padding rows' labels are ignored (the mean is over the real rows) and their gradients are
+    zeros, so the loss and the gradients are the short batch's up to rounding: the matrix products over 32 rows
+    rather than 21 may sum in other blocks (the real rows' logits can differ in their last bits)."""
+    if source == "sst2":  # as many sentences as SST-2's last batch at 32 a batch holds: 67,349 = 2,104 x 32 + 21
+        lines = (SHARED_DATA / "sst2" / "train.tsv").read_text().splitlines()[1:]
+        tok = AutoTokenizer.from_pretrained(SHARED_DATA / "tokenizers" / "bert-base-uncased")
+        rows = [line.rsplit("\t", 1) for line in lines[len(lines) - len(lines) % 32 :]]
+        features = [{**tok(text.strip()), "labels": int(label)} for text, label in rows]
+    else:
+        tok = word_level_tokenizer()
+        docs = documents(n=21, lo=2, hi=40, seed=7)
+        features = sentences(docs, [i % 2 for i in range(21)])
+    assert len(features) == 21
+    model = tiny_model("bert", vocab_size=len(tok), attn_implementation=attention)  # (eval(): no dropout)
+    lengths = [len(f["input_ids"]) for f in features]
+    batches = arrange(
+        "buckets", model, Examples([[3] * n for n in lengths]), None, DataCollatorWithPadding(tok), rows=32
+    )
+
+    def step(batch):
+        model.zero_grad()
+        batch = {k: v for k, v in batch.items() if k != REAL_TOKENS}
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    short, full = batches.collator(features), batches.train_collator(features)
+    assert short["input_ids"].shape[0] == 21 and full["input_ids"].shape == (32, short["input_ids"].shape[1])
+    (loss, grads), (loss_full, grads_full) = step(short), step(full)
+    torch.testing.assert_close(loss_full, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_full[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    counted = dict(full, labels=full["labels"].clamp(min=0))  # padding rows that are not ignored: the test can fail
+    assert not torch.allclose(step(counted)[0], loss, rtol=1e-3)
+
+
+def test_a_batch_whose_padding_rows_would_count_stays_short():
+    tok, docs = word_level_tokenizer(), documents(n=5, lo=2, hi=30, seed=8)
+    pad, buckets = DataCollatorWithPadding(tok), bucket_lengths(32)
+    trusting = BucketCollator(pad, buckets, rows=8, example_labels=True)
+    regression = sentences(docs, [0.5 * i for i in range(5)])  # float labels: an MSE would take -100 for a target
+    assert trusting(regression)["input_ids"].shape[0] == 5
+    multi_label = sentences(docs, [[1.0, 0.0, 1.0]] * 5)  # BCE over every label
+    assert trusting(multi_label)["labels"].shape == (5, 3)
+    spans = [{**f, "start_positions": 1} for f in sentences(docs, [0] * 5)]  # a key of unknown padding
+    assert trusting(spans)["input_ids"].shape[0] == 5
+    classes = sentences(docs, [i % 2 for i in range(5)])
+    assert trusting(classes)["input_ids"].shape[0] == 8
+    for model in (tiny_model("bert", num_labels=1), tiny_model("roberta"), None):  # regression, a masked LM, unknown
+        train = arrange("buckets", model, Examples(docs, label=True), None, pad, rows=8).train_collator
+        assert not train.example_labels and train(classes)["input_ids"].shape[0] == 5
+
+
 def train_args(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path),
@@ -339,6 +445,24 @@ def test_an_encoder_trains_on_buckets_in_at_most_one_shape_per_bucket(tmp_path):
     assert widths <= set(metrics["batches"]["buckets"]) and len(widths) <= len(metrics["batches"]["buckets"])
     assert sum(s.tokens for s in trainer.stage_metrics.steps) == sum(map(len, docs))
     assert metrics["padding_share"] < 0.5  # grouped by length: far less than a random batch's padding
+
+
+def test_an_encoder_on_buckets_predicts_on_the_real_rows_only(tmp_path):
+    docs, evaluation = documents(n=12, lo=2, hi=40, seed=9), documents(n=6, lo=2, hi=40, seed=10)
+    args = train_args(tmp_path, packing="buckets", per_device_train_batch_size=4, per_device_eval_batch_size=4)
+    trainer = ApexTrainer(
+        model=tiny_model("bert"),
+        args=args,
+        train_dataset=Examples(docs, label=True),
+        eval_dataset=Examples(evaluation, label=True),
+        data_collator=DataCollatorWithPadding(word_level_tokenizer()),
+    )
+    assert trainer.batches.train_collator.rows == 4 and trainer.batches.collator.rows is None
+    for loader in (trainer.get_eval_dataloader(), trainer.get_test_dataloader(trainer.eval_dataset)):
+        assert sorted(len(batch["labels"]) for batch in loader) == [2, 4]  # 6 examples, 4 a batch: the last keeps 2
+    out = trainer.predict(trainer.eval_dataset)  # (accelerate would cut rows past the set's end off the outputs)
+    assert out.predictions.shape == (6, 2)
+    assert sorted(out.label_ids.tolist()) == [0, 0, 0, 1, 1, 1]  # (grouped by length: in another order)
 
 
 def test_auto_leaves_a_collator_that_may_do_more_than_pad_in_place():
