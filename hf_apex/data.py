@@ -29,6 +29,7 @@ rows in the same order (the Trainer's sampler restores its place).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -297,6 +298,35 @@ def ignores_example_labels(model) -> bool:
         return False
     problem = getattr(config, "problem_type", None)
     return problem == "single_label_classification" or (problem is None and getattr(config, "num_labels", 1) > 1)
+
+
+@contextlib.contextmanager
+def training_collator(trainer):
+    """``trainer.data_collator`` made the training batches' while the training loader is built: where the run's
+    layout has a collator of its own for training (:attr:`Batches.train_collator`: a short batch of buckets filled
+    with rows the loss ignores), it takes the evaluation one's place inside the trainer's collator (which may wrap it).
+    Evaluation, built from the same attribute, keeps its real rows only."""
+    batches, collator = getattr(trainer, "batches", None), trainer.data_collator
+    if batches is None or batches.train_collator is None:
+        yield
+        return
+    trainer.data_collator = _replacing(collator, batches.collator, batches.train_collator)
+    try:
+        yield
+    finally:
+        trainer.data_collator = collator
+
+
+def _replacing(collator, old, new):
+    """``collator`` with ``old`` replaced by ``new``, where ``old`` is it or a collator it wraps (``.collator``)."""
+    if collator is old:
+        return new
+    inner = getattr(collator, "collator", None)
+    if inner is None:
+        return collator
+    outer = copy.copy(collator)
+    outer.collator = _replacing(inner, old, new)
+    return outer
 
 
 def take_real_tokens(inputs):

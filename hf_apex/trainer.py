@@ -137,6 +137,10 @@ class ApexTrainer(Trainer):
                 compiled.record_payback(self.args, self._payback_key, self.stage_metrics.last_summary, state)
             return output
 
+    def get_train_dataloader(self):
+        with data.training_collator(self):  # (a layout's training batches may differ from evaluation's)
+            return super().get_train_dataloader()
+
     def training_step(self, model, inputs, *args, **kwargs):
         inputs, real_tokens = data.take_real_tokens(inputs)  # (a packed or bucketed batch counts them on the host)
         if real_tokens is not None and self.stage_metrics is not None:
@@ -223,13 +227,7 @@ class ApexTrainer(Trainer):
         return super().floating_point_ops(inputs) if flops is None else flops
 
     def create_stage_metrics_callback(self) -> StageMetricsCallback:
-        return StageMetricsCallback(
-            stage=self.args.stage,
-            warmup_steps=self.args.metrics_warmup_steps,
-            peak_tflops=self.args.peak_tflops,
-            profile_kernels=self.args.profile_kernels,
-            extra=self.metrics_sections,
-        )
+        return StageMetricsCallback.for_args(self.args, extra=self.metrics_sections)
 
     def metrics_sections(self) -> dict:
         """What the trainer adds to the metrics JSON at the end of a run (:mod:`hf_apex.measure.sections`)."""

@@ -465,6 +465,28 @@ def test_an_encoder_on_buckets_predicts_on_the_real_rows_only(tmp_path):
     assert sorted(out.label_ids.tolist()) == [0, 0, 0, 1, 1, 1]  # (grouped by length: in another order)
 
 
+def test_the_trainer_fills_the_epochs_short_batch_and_evaluates_the_real_rows(tmp_path):
+    """13 examples at 4 a batch: the training loader's last batch of each epoch is filled up to 4 rows (no new shape
+    to compile), the evaluation loader's keeps its one real row; the real tokens counted are the examples'."""
+    docs = documents(n=13, lo=2, hi=40, seed=11)
+    args = train_args(tmp_path, packing="buckets", per_device_train_batch_size=4, num_train_epochs=2)
+    args.per_device_eval_batch_size = 4
+    trainer = ApexTrainer(
+        model=tiny_model("bert").train(),
+        args=args,
+        train_dataset=Examples(docs, label=True),
+        eval_dataset=Examples(docs, label=True),
+        data_collator=DataCollatorWithPadding(word_level_tokenizer()),
+    )
+    assert {len(batch["labels"]) for batch in trainer.get_train_dataloader()} == {4}
+    assert sorted(len(batch["labels"]) for batch in trainer.get_eval_dataloader()) == [1, 4, 4, 4]
+    trainer.train()
+    metrics = json.loads((tmp_path / METRICS_FILENAME).read_text())
+    assert {shape[0] for shape in metrics["batches"]["shapes_trained"]} == {4}
+    assert sum(s.tokens for s in trainer.stage_metrics.steps) == 2 * sum(map(len, docs))  # the real rows' only
+    assert trainer.evaluate()["eval_loss"] > 0
+
+
 def test_auto_leaves_a_collator_that_may_do_more_than_pad_in_place():
     class CompletionOnly:  # a collator of yours: it makes the labels, which packing would not
         def __call__(self, features):

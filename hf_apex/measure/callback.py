@@ -66,6 +66,12 @@ class StageMetricsCallback(TrainerCallback):
         self._profile: trace.KernelProfile | None = None
         self._reset(cuda=False)
 
+    @classmethod
+    def for_args(cls, args, extra=None) -> StageMetricsCallback:
+        """The callback an :class:`~hf_apex.ApexTrainingArguments` run asks for (``metrics_warmup_steps``,
+        ``peak_tflops``, ``profile_kernels``)."""
+        return cls(args.stage, args.metrics_warmup_steps, args.peak_tflops, args.profile_kernels, extra)
+
     def _reset(self, cuda: bool) -> None:
         self.steps: list[StepRecord] = []  # resolved (and merged over ranks) records of this train() call
         self._window: list[StepRecord] = []  # resolved records not yet logged
