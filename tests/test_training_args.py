@@ -142,12 +142,15 @@ def test_a_bad_recipe_entry_is_a_value_error_naming_it(recipe, match):
         make(stage="fastest", stage_recipe=recipe)
 
 
-@pytest.mark.parametrize("entry", [{"rotary_once": True}, {"eager_random": True}, {"fuse_projections": "auto"}])
+@pytest.mark.parametrize(
+    "entry", [{"rotary_once": True}, {"eager_random": True}, {"fuse_projections": "auto"}, {"compile_cache": False}]
+)
 def test_a_compiled_recipe_entry_on_a_run_that_does_not_compile_is_an_error(entry):
     for stage in ("torch_fused", None):
         with pytest.raises(ValueError, match="changes what torch.compile does, but torch_compile is off"):
             make(stage=stage, stage_recipe=entry)
     assert make(stage="torch_fused", stage_recipe={"static_masks": False}).recipe.static_masks is False  # any run
+    assert make(stage="torch_fused", stage_recipe={"fp32_outputs": True}).recipe.fp32_outputs is True
     assert make(stage="torch_fused", stage_recipe={"rotary_once": False}).recipe == StageRecipe()  # (a no-op)
 
 
@@ -279,3 +282,14 @@ def test_every_field_has_help():
         if f.name in own:
             assert f.metadata.get("help"), f.name
             assert f.name in ApexTrainingArguments.__doc__, f.name
+
+
+def test_docs_arguments_names_every_added_argument_and_recipe_entry():
+    from pathlib import Path
+
+    from hf_apex.training_args import ADDED_ARGUMENTS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "arguments.md").read_text()
+    missing = [n for n in ADDED_ARGUMENTS if f"**`{n}`**" not in text]
+    missing += [f.name for f in dataclasses.fields(StageRecipe) if f"`{f.name}`" not in text]
+    assert not missing, f"docs/arguments.md does not describe {missing}"
