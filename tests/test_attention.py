@@ -207,7 +207,7 @@ def test_preferring_puts_the_backend_first_and_falls_back_where_it_cannot_run():
 # A compiled training step in a process of its own, under a preference; prints the SDPA ops it ran.
 COMPILED_STEP = """
 import sys, torch
-from hf_apex.kernels import attention
+from hf_apex.kernels.models import attention
 from tests.testing_utils import tiny_inputs, tiny_model
 inputs = tiny_inputs("llama")
 inputs.pop("attention_mask")

@@ -92,7 +92,7 @@ def test_fastest_attention_is_timed_kept_and_trains_like_pytorchs_choice(tmp_pat
 # ranks but 0): PyTorch installs its default priority (cuDNN first on an H200) on its first backend selection.
 FIRST_CALL = """
 import sys, torch
-from hf_apex.kernels import attention
+from hf_apex.kernels.models import attention
 q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 with attention.preferring(sys.argv[1]), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
     torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
@@ -117,7 +117,8 @@ def test_a_preference_holds_from_the_first_sdpa_call_of_a_process(backend):
 # backend.
 PROFILES = """
 import json, sys, torch
-from hf_apex.kernels import attention, trace
+from hf_apex.kernels import trace
+from hf_apex.kernels.models import attention
 q, k, v = (torch.randn(4, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 def call():
     torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
