@@ -60,7 +60,7 @@ def rel_err(a, b):
 )
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_same_loss_and_gradients_as_transformers_in_fp32(chunk_elements, kwargs, scale, monkeypatch):
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", chunk_elements)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside
     if "ignore_index" in kwargs:
         labels[labels == -100] = 7
@@ -120,7 +120,7 @@ def test_a_divisor_of_zero_gives_nan_loss_and_no_error(divisor):
 def test_under_torch_compile_each_chunk_is_pointwise_with_the_same_loss_and_gradients(monkeypatch):
     """Compiled, a chunk's gradient is one expression of its logits (measured faster on an H200: Inductor fuses it
     into the softmax); an indexed in-place update in the graph would keep it apart. The maths stays the stock one."""
-    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 5 * 128)  # several chunks
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", 5 * 128)  # several chunks
     graphs = []
 
     def recording_inductor(gm, example_inputs):
@@ -151,8 +151,8 @@ def interpreted_row_kernel(monkeypatch):
         torch.library.wrap_triton(lm_loss._rows_kernel())
     except RuntimeError as error:  # torch 2.11 refuses the interpreter's kernels; 2.13 takes them
         pytest.skip(f"torch {torch.__version__} cannot run Triton's interpreter through wrap_triton ({error})")
-    monkeypatch.setattr(fused, "_row_op", lambda hidden: lm_loss._rows_op())
-    monkeypatch.setattr(fused, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
+    monkeypatch.setattr(lm_loss, "_row_op", lambda hidden: lm_loss._rows_op())
+    monkeypatch.setattr(lm_loss, "ROW_BLOCK", 32)  # 100 columns of 128: four loads, the last one partial
     lm_loss._rows_kernel.cache_clear()
     yield
     lm_loss._rows_kernel.cache_clear()
@@ -162,7 +162,7 @@ def interpreted_row_kernel(monkeypatch):
 def test_the_row_kernel_gives_transformers_loss_and_gradients(interpreted_row_kernel, chunk_bytes, monkeypatch):
     """On a GPU each chunk's log-sum-exp, loss and gradient come from one Triton kernel, the gradient written over
     the logits: the stock maths, with the padding columns and the ignored positions out of it."""
-    monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(lm_loss, "ROW_CHUNK_BYTES", chunk_bytes)
     hidden, weight, labels = inputs(vocab=100)  # padded to 128 rows inside; labels[0, :4] ignored
     got = loss_and_grads(lm_loss.causal_lm_loss, hidden, weight, labels, 3.0)
     ref = loss_and_grads(reference, hidden, weight, labels, 3.0)
@@ -249,8 +249,8 @@ def test_dynamo_traces_the_loss_with_the_row_kernels_op_in_one_piece(monkeypatch
     chunks, the op and the backward in one graph: no piece of the loss runs eagerly between compiled ones. The op
     here is the kernel's contract in torch's ops (Triton's interpreter cannot run under the compiler's fake
     tensors); tests/gpu/test_loss_gpu.py checks the same with the kernel on a GPU."""
-    monkeypatch.setattr(fused, "_row_op", lambda hidden: rows_in_torch)
-    monkeypatch.setattr(fused, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # several chunks
+    monkeypatch.setattr(lm_loss, "_row_op", lambda hidden: rows_in_torch)
+    monkeypatch.setattr(lm_loss, "ROW_CHUNK_BYTES", 5 * 128 * 4)  # several chunks
     hidden, weight, labels = inputs(vocab=100)
     explained = torch._dynamo.explain(lm_loss.causal_lm_loss)(hidden, weight, labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

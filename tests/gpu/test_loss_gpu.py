@@ -88,7 +88,7 @@ def test_the_row_kernel_runs_and_gives_the_loss_and_gradients_of_torchs_ops(comp
 
     def run(kernel: bool):
         if not kernel:
-            monkeypatch.setattr(fused, "_row_op", lambda h: None)
+            monkeypatch.setattr(lm_loss, "_row_op", lambda h: None)
         torch._dynamo.reset()
         fn = torch.compile(loss_fn) if compiled else loss_fn
         # hf_apex's own profile, as the Trainer's: a plain CUDA profile before one that detaches CUPTI leaves that one
