@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .internals import train_batch_size
+
 logger = logging.getLogger("hf_apex")
 
 LAYOUTS = ("off", "documents", "buckets", "auto")
@@ -302,15 +304,19 @@ def ignores_example_labels(model) -> bool:
 
 @contextlib.contextmanager
 def training_collator(trainer):
-    """``trainer.data_collator`` made the training batches' while the training loader is built: where the run's
-    layout has a collator of its own for training (:attr:`Batches.train_collator`: a short batch of buckets filled
-    with rows the loss ignores), it takes the evaluation one's place inside the trainer's collator (which may wrap it).
+    """``trainer.data_collator`` made the training batches' while the training loader is built: the layout's
+    training collator (:attr:`Batches.train_collator`: a short batch of buckets filled with rows the loss ignores;
+    packed rows: the layout's one collator) takes the layout collator's place inside the trainer's (which may wrap
+    it), filling to the batch size the loader is built with (``auto_find_batch_size`` may have lowered it since).
     Evaluation, built from the same attribute, keeps its real rows only."""
     batches, collator = getattr(trainer, "batches", None), trainer.data_collator
-    if batches is None or batches.train_collator is None:
+    layout = None if batches is None else batches.train_collator or batches.collator
+    if getattr(layout, "rows", None) is None:
         yield
         return
-    trainer.data_collator = _replacing(collator, batches.collator, batches.train_collator)
+    train = copy.copy(layout)
+    train.rows = train_batch_size(trainer)
+    trainer.data_collator = _replacing(collator, batches.collator, train)
     try:
         yield
     finally:
@@ -318,14 +324,16 @@ def training_collator(trainer):
 
 
 def _replacing(collator, old, new):
-    """``collator`` with ``old`` replaced by ``new``, where ``old`` is it or a collator it wraps (``.collator``)."""
+    """``collator`` with ``old`` replaced by ``new``, where ``old`` is it or a collator it wraps (``.collator``); a
+    wrapper is copied only where something below it is replaced."""
     if collator is old:
         return new
     inner = getattr(collator, "collator", None)
-    if inner is None:
+    replaced = _replacing(inner, old, new) if inner is not None else inner
+    if replaced is inner:
         return collator
     outer = copy.copy(collator)
-    outer.collator = _replacing(inner, old, new)
+    outer.collator = replaced
     return outer
 
 

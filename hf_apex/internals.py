@@ -8,8 +8,9 @@ newest environments, and on the GPU machine: torch 2.11 to 2.13, transformers 5.
 1.16 (``TESTED``). Where a reach is gone in a later release, the failure points here.
 
 Two reaches are overrides, written where the class is: ``ApexTrainer._maybe_log_save_evaluate`` (taken only where
-:func:`can_defer_logs` finds the tested signature) and ``ApexTrainingArguments._VALID_DICT_FIELDS`` (the fields
-``TrainingArguments`` parses from JSON, extended).
+:func:`can_defer_logs` finds the tested signature) and ``_VALID_DICT_FIELDS`` (the fields ``TrainingArguments``
+parses from JSON, extended: ``ApexTrainingArguments``' and the configs ``hf_apex.with_stages`` mixes), each built
+from :func:`valid_dict_fields`.
 """
 
 from __future__ import annotations
@@ -144,6 +145,18 @@ def tree_map_only(cls, fn, tree):
     return tree_map_only(cls, fn, tree)
 
 
+def local_tensor(tensor):
+    """A DTensor's shard on this rank, the tensor itself (not a copy or a view of another autograd node), as FSDP2's
+    own optimizer step reaches it."""
+    return tensor._local_tensor
+
+
+def cpu_has_bf16_instructions() -> bool:
+    """Whether this x86 CPU has AVX512-BF16 or AMX tiles (torch's own probes; False where torch has neither)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 # ---------------------------------------------------------------------------------------------------- transformers
 
 
@@ -160,6 +173,12 @@ def can_set_attn_implementation(model: nn.Module) -> bool:
 def prepare_inputs(trainer, inputs):
     """A batch moved and shaped as the Trainer's training step gets it."""
     return trainer._prepare_inputs(inputs)
+
+
+def train_batch_size(trainer) -> int:
+    """The batch size the Trainer builds its training loader with: per device times the GPUs of DataParallel, lowered
+    by ``auto_find_batch_size`` after an out-of-memory error."""
+    return trainer._train_batch_size
 
 
 def last_logged_step(trainer) -> int:

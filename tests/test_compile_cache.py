@@ -143,6 +143,9 @@ def test_artifacts_key_follows_model_and_stage(tmp_path, monkeypatch):
     assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
     model.config.use_cache = False  # (as the Trainer sets it from its arguments, after a run's key is taken)
     assert key_parts(args, model) == key_parts(args, tiny_model("llama"))
+    # nor whether the work is kept: a run with the cache off measures compiling's payback under the same key
+    uncached = train_args(tmp_path, stage="fastest", stage_recipe={"compile_cache": False})
+    assert key_parts(uncached, model) == key_parts(args, model)
 
 
 @pytest.fixture

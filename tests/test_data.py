@@ -487,6 +487,24 @@ def test_the_trainer_fills_the_epochs_short_batch_and_evaluates_the_real_rows(tm
     assert trainer.evaluate()["eval_loss"] > 0
 
 
+@pytest.mark.parametrize("layout", ["buckets", "documents"])
+def test_the_training_batches_follow_a_batch_size_the_trainer_lowers(layout, tmp_path):
+    """auto_find_batch_size halves the Trainer's batch size after an out-of-memory error and builds the training
+    loader again: its batches are then of the smaller size, not filled back up to the first one."""
+    docs = documents(n=10, lo=3, hi=40, seed=12)
+    args = train_args(tmp_path, packing=layout, packing_length=48, per_device_train_batch_size=4)
+    model, data = (
+        (tiny_model("bert"), Examples(docs, label=True))
+        if layout == "buckets"
+        else (tiny_model("gpt2"), Examples(docs))
+    )
+    collator = DataCollatorWithPadding(word_level_tokenizer()) if layout == "buckets" else None
+    trainer = ApexTrainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    assert {len(batch["input_ids"]) for batch in trainer.get_train_dataloader()} == {4}
+    trainer._train_batch_size = 2  # (as Trainer._update_auto_batch_size sets it)
+    assert {len(batch["input_ids"]) for batch in trainer.get_train_dataloader()} == {2}
+
+
 def test_auto_leaves_a_collator_that_may_do_more_than_pad_in_place():
     class CompletionOnly:  # a collator of yours: it makes the labels, which packing would not
         def __call__(self, features):

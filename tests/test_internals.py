@@ -30,7 +30,9 @@ def test_every_reach_resolves_at_the_installed_versions():
     assert hasattr(internals.functorch_config(), "ban_recompute_materialized_backward")
     assert internals.compile_mode_options("reduce-overhead")["triton.cudagraphs"] is True
     assert not internals.compile_mode_options("default").get("triton.cudagraphs")
-    assert "stats" in internals.dynamo_counters() or internals.dynamo_counters()["stats"] is not None
+    before = internals.dynamo_counters()["stats"]["unique_graphs"]
+    torch.compile(lambda t: t * 2 + 1, backend="eager")(torch.ones(3))
+    assert internals.dynamo_counters()["stats"]["unique_graphs"] == before + 1
     with internals.fresh_cache_artifacts():
         assert internals.cache_artifacts_new() is False  # a fresh record holds nothing yet
     graph_pass, hash_of_files = internals.custom_graph_pass()
@@ -41,7 +43,7 @@ def test_every_reach_resolves_at_the_installed_versions():
     assert sorted(internals.sdp_priority_order()) == sorted(set(internals.sdp_priority_order()))
     linear = torch.nn.Linear(2, 2)
     assert internals.uncompiled(torch.compile(linear)) is linear and internals.uncompiled(linear) is linear
-    assert isinstance(internals.has_triton(), bool)
+    assert isinstance(internals.has_triton(), bool) and isinstance(internals.cpu_has_bf16_instructions(), bool)
     tree = {"a": torch.ones(1), "b": [torch.ones(2), 3]}
     doubled = internals.tree_map_only(torch.Tensor, lambda t: t * 2, tree)
     assert doubled["b"][1] == 3 and torch.equal(doubled["b"][0], torch.full((2,), 2.0))
@@ -65,18 +67,24 @@ def test_the_trainers_reaches_resolve(tmp_path):
     assert internals.prepare_inputs(trainer, batch)["input_ids"].shape == batch["input_ids"].shape
     trainer.train()
     assert internals.last_logged_step(trainer) == trainer.state.global_step == 1  # (train_args logs every step)
+    assert internals.train_batch_size(trainer) == args.train_batch_size
     count = internals.loss_items_counter(trainer.model, args)
     assert int(count(batch)) == int(trainer._get_num_items_in_batch([batch], args.device))  # the Trainer's own count
     internals.reset_accelerate_state()  # (the next Accelerator sets its own)
     assert internals.fp32_output_conversion(trainer.model) is None  # FP32: accelerate wraps nothing
 
 
-# A private name of torch, transformers or accelerate reached from code: a module path with a _name in it, or one of
-# the private attributes of their objects that hf_apex uses. torch._foreach_* (its documented multi-tensor API) aside.
+# A private name of torch, transformers or accelerate reached from code: a module path with a _name in it, a _name
+# imported from one of them, a _name asked of an object by getattr/hasattr/setattr (hf_apex's own _hf_apex_* aside),
+# or one of the private attributes of their objects that hf_apex uses. torch._foreach_* (its documented multi-tensor
+# API) aside.
 PRIVATE_REACH = re.compile(
     r"\b(?:torch|transformers|accelerate)(?:\.\w+)*\._(?!foreach_|_)\w"
+    r"|\bfrom (?:torch|transformers|accelerate)[\w.]* import [^#]*\b_(?!_)\w"
+    r"|\b(?:getattr|hasattr|setattr)\([^,]+, [\"']_(?!_|hf_apex)\w"
     r"|\.(?:_prepare_inputs|_globalstep_last_logged|_attn_implementation|_can_set_attn_implementation|_reset_state"
-    r"|_get_num_items_in_batch|_loss_shifts_labels|_orig_mod|_schema)\b"
+    r"|_get_num_items_in_batch|_loss_shifts_labels|_orig_mod|_schema|_local_tensor|_train_batch_size"
+    r"|_name_or_path)\b"
     r"|[\"'](?:_attn_implementation|_orig_mod|_schema|_original_forward)[\"']"
     r"|\bConvertOutputsToFp32\b|\._VALID_DICT_FIELDS\b"
 )
@@ -105,7 +113,19 @@ def test_the_check_finds_each_kind_of_reach():
         'getattr(config, "_attn_implementation", None)',
         "AcceleratorState._reset_state()",
         "base._VALID_DICT_FIELDS + more",
+        "from torch import _dynamo",
+        "from torch.utils import _pytree",
+        "local = p._local_tensor",
+        'getattr(torch.cpu, "_is_amx_tile_supported", None)',
+        'getattr(config, "_name_or_path", None)',
+        "trainer._train_batch_size",
     ):
         assert private_reaches(line), line
-    for line in ("torch._foreach_add_(xs, ys)", "torch.compiler.reset()", "self._deferred_log.write()"):
+    for line in (
+        "torch._foreach_add_(xs, ys)",
+        "torch.compiler.reset()",
+        "self._deferred_log.write()",
+        'getattr(model, "_hf_apex_rewired", None)',
+        'getattr(on_log, "__module__", "")',
+    ):
         assert not private_reaches(line), line

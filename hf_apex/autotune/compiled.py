@@ -65,9 +65,11 @@ def config_hash(model) -> str | None:
 
 def key_parts(args, model) -> dict:
     """What a run's compiled graphs depend on, beyond torch's own keys: the environment (GPU, torch, CUDA, hf_apex,
-    apex), transformers, the model's class and config, the stage, the recipe's compiled entries (``min_steps``
-    aside: it decides whether to compile, not what), precision, and torch.compile's mode and backend."""
-    recipe = {k: v for k, v in args.recipe.compiled_entries().items() if k != "min_steps"}
+    apex), transformers, the model's class and config, the stage, the recipe's compiled entries (``min_steps`` and
+    ``compile_cache`` aside: they decide whether to compile and whether to keep the work, not what is compiled),
+    precision, and torch.compile's mode and backend."""
+    aside = ("min_steps", "compile_cache")
+    recipe = {k: v for k, v in args.recipe.compiled_entries().items() if k not in aside}
     return {
         **environment_key(),
         "transformers": transformers.__version__,

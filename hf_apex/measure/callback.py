@@ -265,7 +265,7 @@ class StageMetricsCallback(TrainerCallback):
         sections.setdefault("model", {})
         sections["model"] = {
             "class": type(model).__name__ if model is not None else None,
-            "name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None) or None,
+            "name_or_path": getattr(getattr(model, "config", None), "name_or_path", None) or None,
             "parameters": sum(p.numel() for p in model.parameters()) if model is not None else None,
             **sections["model"],
         }

@@ -7,7 +7,6 @@ import transformers
 
 from hf_apex.kernels import trace
 from hf_apex.kernels.apex.availability import has_triton_ops
-from hf_apex.kernels.models import loss as fused
 from hf_apex.kernels.models.loss import fuse_linear_cross_entropy
 from hf_apex.kernels.ops import lm_loss
 from hf_apex.kernels.ops.lm_loss import causal_lm_loss

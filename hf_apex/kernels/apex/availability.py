@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ...internals import cpu_has_bf16_instructions
+
 APEX_BUILD_HINT = (
     "Build NVIDIA Apex from source with its C++/CUDA extensions: `make apex` in the hf_apex checkout, or "
     "`APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation .` inside an apex checkout "
@@ -203,8 +205,7 @@ def _driver_version() -> str | None:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes BF16 in hardware (x86's AVX512-BF16 or AMX): elsewhere BF16 autocast on the CPU is
     converted to and from FP32 around each op, often far slower than FP32 itself."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # (private, hence the guard)
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return cpu_has_bf16_instructions()
 
 
 def environment() -> dict:

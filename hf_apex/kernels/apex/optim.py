@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...internals import local_tensor
 from ...stages import APEX_OPTIMIZERS
 from ..trace import APEX, FALLBACK, TORCH, KernelRoute
 from .availability import blocker, fix_for
@@ -51,15 +52,15 @@ def step_local_shards(optimizer: torch.optim.Optimizer, step: Callable[[Any], An
                 if not isinstance(p, DTensor):
                     local_params.append(p)
                     continue
-                local = p._local_tensor
+                local = local_tensor(p)
                 if local.numel() == 0:
                     empty.append(p)
                     continue
-                local.grad = p.grad._local_tensor if p.grad is not None else None
+                local.grad = local_tensor(p.grad) if p.grad is not None else None
                 state = optimizer.state.pop(p, None)
                 if state:
                     optimizer.state[local] = {
-                        k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()
+                        k: local_tensor(v) if isinstance(v, DTensor) else v for k, v in state.items()
                     }
                 moved.append((p, local))
                 local_params.append(local)
