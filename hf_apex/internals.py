@@ -5,7 +5,7 @@ says what it uses and why; the rest of the package goes through these names and 
 three projects (torch's ``torch._foreach_*`` ops aside: its documented multi-tensor API, which the optimizer's
 fallback uses as torch's own optimizers do). Each is tested at both ends of the supported range, CI's lowest and
 newest environments, and on the GPU machine: torch 2.11 to 2.13, transformers 5.17 to 5.25, accelerate 1.15 to
-1.16 (``TESTED``). Where a reach is gone in a later release, the failure points here.
+1.16. Where a reach is gone in a later release, the failure points here.
 
 Two reaches are overrides, written where the class is: ``ApexTrainer._maybe_log_save_evaluate`` (taken only where
 :func:`can_defer_logs` finds the tested signature) and ``_VALID_DICT_FIELDS`` (the fields ``TrainingArguments``
@@ -22,8 +22,6 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-
-TESTED = {"torch": ("2.11", "2.13"), "transformers": ("5.17", "5.25"), "accelerate": ("1.15", "1.16")}
 
 # ---------------------------------------------------------------------------------------------------------- torch
 
