@@ -15,8 +15,9 @@ compiles again and CUDA graphs record again. Two layouts remove most of it (``Ap
   are ignored.
 - ``"buckets"`` (encoders, per-example losses): batches of examples of similar length (transformers'
   ``group_by_length`` sampler), each padded to the shortest of a few lengths that holds it (:func:`bucket_lengths`,
-  :class:`BucketCollator`): a few shapes, which Dynamo compiles as one static graph and one dynamic one, and CUDA
-  graphs record once each.
+  :class:`BucketCollator`): a few shapes. Dynamo compiles the first as a static graph and the others as dynamic ones,
+  at most one a bucket (the compiler's guards on sizes can split a dynamic graph), and CUDA graphs record once each.
+  A batch keeps its attention mask where it is all ones, so that each shape has one call signature.
 
 A trainer with a data pipeline of its own keeps it; where that pipeline is padding-free (TRL's packing: one
 flattened row a batch, as long as its examples), :func:`as_rows` lays each batch out as rows of one shape instead.
@@ -321,6 +322,15 @@ def training_collator(trainer):
         yield
     finally:
         trainer.data_collator = collator
+
+
+def wraps(collator, cls: type) -> bool:
+    """Whether ``collator`` is a ``cls`` or wraps one (``.collator``, where hf_apex's collators keep the one below)."""
+    while collator is not None:
+        if isinstance(collator, cls):
+            return True
+        collator = getattr(collator, "collator", None)
+    return False
 
 
 def _replacing(collator, old, new):

@@ -293,7 +293,7 @@ class StagePlan:
 
     def collator(self, collator, model: nn.Module):
         """``collator``, leaving all-ones attention masks out of its batches where the run's masks are static."""
-        if collator is not None and policy.drops_full_attention_mask(self.args, model):
+        if collator is not None and policy.drops_full_attention_mask(self.args, model, collator):
             return runtime.DropFullAttentionMask(collator)
         return collator
 

@@ -12,6 +12,7 @@ import os
 import torch
 from torch import nn
 
+from . import data
 from .internals import AUTOCAST_REGIONS, FUNCTORCH_CONFIG, INDUCTOR_CONFIG, inductor_config
 from .kernels.apex.availability import blocker, cpu_has_native_bf16, fix_for
 from .kernels.models.loss import is_causal_lm, is_fused
@@ -191,12 +192,14 @@ def own_compiled_graphs(settings: dict[str, dict]):
         torch.compiler.reset()
 
 
-def drops_full_attention_mask(args, model: nn.Module | None) -> bool:
+def drops_full_attention_mask(args, model: nn.Module | None, collator=None) -> bool:
     """Whether a run leaves all-ones attention masks out of its batches (the recipe's ``static_masks``). Under
     ``torch.compile``, yes. In eager only for a model without a ``pad_token_id``: given no mask, transformers checks
     whether the first or last token of each row is the pad token (``warn_if_padding_and_no_attention_mask``), a
-    device sync on every forward; with the mask kept, ``STATIC_MASKS`` builds it without one."""
-    if not args.recipe.static_masks:
+    device sync on every forward; with the mask kept, ``STATIC_MASKS`` builds it without one. Never for batches
+    padded to buckets (:class:`~hf_apex.data.BucketCollator`): most of them are padded, and a batch without its mask
+    would be a second call signature of each bucket's compiled graph, compiled again."""
+    if not args.recipe.static_masks or data.wraps(collator, data.BucketCollator):
         return False
     return bool(args.torch_compile) or getattr(getattr(model, "config", None), "pad_token_id", None) is None
 

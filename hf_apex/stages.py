@@ -45,7 +45,8 @@ class StageRecipe:
             and environment before it compiles, and saves its own after the metrics warm-up, in a ``compiled/``
             folder beside the autotune cache (``$HF_APEX_CACHE``, default ``~/.cache/hf_apex/``;
             :mod:`hf_apex.autotune.compiled`).
-        static_masks: every run: an all-ones ``attention_mask`` is left out of the batches and SDPA's masks are
+        static_masks: every run: an all-ones ``attention_mask`` is left out of the batches (not of batches padded to
+            buckets, where it would make a second call signature) and SDPA's masks are
             decided without reading a tensor (:data:`hf_apex.kernels.models.attention.STATIC_MASKS`): no host-device
             sync, SDPA's ``is_causal`` under ``torch.compile``; the same attention.
         fp32_outputs: every run under autocast: accelerate's FP32 copy of the model's training outputs (the logits)
