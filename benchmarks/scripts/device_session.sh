@@ -11,6 +11,9 @@
 # sdpa (benchmarks/scripts/sdpa_backends.py) | rowkernel (benchmarks/scripts/row_kernel.py; RK_VARIANTS: its
 # --variants) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row; HP_FLAGS: more
 # recipes/finetune.py flags) |
+# fp8probe:<model>[:<flag>,<flag>...] (benchmarks/scripts/fp8_probe.py: BF16, FP8 and FP32-master variants of a Llama's
+# compiled step in a plain loop, into $OUT/fp8_probe.jsonl; e.g. fp8probe:llama8bwide:--layers,8,--batch,2,--seq,2048;
+# torchao's wheel must be in .deps/whl: bash ../shared/tools/gpu-wheels .deps/whl torchao==0.18.0) |
 # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...] (benchmarks/scripts/run_variant.py: the bench's run of
 # that model and stage with the flags added, to $OUT/variants.jsonl; a flag's value cannot hold a comma;
 # e.g. variant:bert:bert-ro:fastest:100:--torch_compile_mode,reduce-overhead; a flag +NAME=VALUE sets an environment
@@ -105,6 +108,11 @@ for step in "$@"; do
       timeout -k 10 $(left) python3 benchmarks/scripts/row_kernel.py --out $OUT/row_kernel.json \
         ${RK_VARIANTS:+--variants "$RK_VARIANTS"} > $OUT/row_kernel.log 2>&1
       echo "rowkernel rc $?"; cut -c1-220 $OUT/row_kernel.log | tail -30;;
+    fp8probe:*)  # fp8probe:<model>[:<flag>,<flag>...]: benchmarks/scripts/fp8_probe.py (torchao's wheel in .deps/whl)
+      IFS=: read -r _ model flags <<< "$step"
+      timeout -k 10 $(left) python3 benchmarks/scripts/fp8_probe.py --model $model --out $OUT/fp8_probe.jsonl \
+        ${flags//,/ } > $OUT/fp8probe-$model.log 2>&1
+      echo "fp8probe $model rc $?"; cut -c1-400 $OUT/fp8probe-$model.log | tail -6;;
     variant:*)  # variant:<model>:<name>:<stage>:<steps>[:<flag>,<flag>...]: run_variant.py (the Trainer only)
       IFS=: read -r _ model name stage steps flags <<< "$step"
       envs=(); args=()
