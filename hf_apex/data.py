@@ -496,6 +496,12 @@ def arrange(layout, model, train_dataset, eval_dataset, collator, *, rows, lengt
         return Batches("documents", train, evaluation, PackedCollator(length, rows, pad), None, report)
     buckets = bucket_lengths(max(sizes))
     report = {"layout": "buckets", "why": why, "buckets": buckets, "sampler": "group_by_length"}
+    if why != "asked for":
+        logger.warning(
+            "hf_apex: packing='auto' puts this run's examples in length buckets: less padding and few shapes, but "
+            "batches grouped by length, not drawn at random, which can cost accuracy (docs/data.md); "
+            "packing='off' keeps your collator's random batches."
+        )
     evaluation = BucketCollator(collator, buckets, pad)
     train = BucketCollator(collator, buckets, pad, rows=rows, example_labels=ignores_example_labels(model))
     return Batches("buckets", train_dataset, eval_dataset, evaluation, "group_by_length", report, train)

@@ -401,13 +401,18 @@ def test_packed_training_evaluates_accumulates_and_resumes_on_the_same_rows(tmp_
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
 
 
-def test_auto_packs_a_causal_lm_buckets_an_encoder_and_leaves_blocks_alone(tmp_path):
+def test_auto_packs_a_causal_lm_buckets_an_encoder_and_leaves_blocks_alone(tmp_path, caplog):
     lm = tiny_model("gpt2")
     assert arrange("auto", lm, Examples(documents()), None, None, rows=2).layout == "documents"
     fixed = arrange("auto", lm, TokenDataset(n=8), None, None, rows=2)
     assert fixed.layout == "off" and "no padding to remove" in fixed.report["why"]
     encoder = tiny_model("bert")
+    assert "length buckets" not in caplog.text
     assert arrange("auto", encoder, Examples(documents()), None, None, rows=2).layout == "buckets"
+    assert "not drawn at random, which can cost accuracy" in caplog.text  # (said where auto chose them)
+    caplog.clear()
+    assert arrange("buckets", encoder, Examples(documents()), None, None, rows=2).layout == "buckets"
+    assert "length buckets" not in caplog.text  # (not where you asked for them)
     with pytest.raises(ValueError, match="not a causal LM.*buckets"):
         arrange("documents", encoder, Examples(documents()), None, None, rows=2)
     with pytest.raises(ValueError, match="input_ids"):
