@@ -592,7 +592,8 @@ def bench_run(name: str, stage: str, nproc: int, repeat: int, opts, out_dir: Pat
     run_id = run_name(name, stage, nproc, repeat)
     run_dir = out_dir / "runs" / run_id
     metrics_json, plain_json = run_dir / METRICS_FILENAME, out_dir / "runs" / f"{run_id}-plain.json"
-    want_plain = not opts.no_plain_loop and nproc == 1 and stage not in REFERENCES
+    # (none on natural lengths: the plain loop trains on the collator's batches as they come, unpacked and unbucketed)
+    want_plain = not opts.no_plain_loop and nproc == 1 and stage not in REFERENCES and name not in SETS["natural"]
     label = f"{name:5s} {stage:14s}" + (f" x{nproc}" if len(opts.nproc) > 1 else "")
     if repeat or repeats(name, stage, opts) > 1:
         label += f" run {repeat + 1}/{repeats(name, stage, opts)}"

@@ -495,7 +495,7 @@ def test_the_trainer_fills_the_epochs_short_batch_and_evaluates_the_real_rows(tm
 def test_a_compiled_run_on_buckets_keeps_a_full_mask_and_compiles_once_per_bucket(tmp_path):
     """Batches padded to buckets keep their attention mask even where it is all ones: grouped by length, some batches
     hold examples of exactly a bucket's length, and one without its mask would be a second call signature of that
-    bucket's graph, compiled again (on an H100 such a compilation took 25 to 34 s of a 1,000-step BERT run)."""
+    bucket's graph, compiled again (benchmarks/reports/natural-lengths.md)."""
     from hf_apex.runtime import DropFullAttentionMask
 
     rng = random.Random(13)

@@ -110,6 +110,7 @@ for step in "$@"; do
       echo "rowkernel rc $?"; cut -c1-220 $OUT/row_kernel.log | tail -30;;
     fp8probe:*)  # fp8probe:<model>[:<flag>,<flag>...]: benchmarks/scripts/fp8_probe.py (torchao's wheel in .deps/whl)
       IFS=: read -r _ model flags <<< "$step"
+      [ -d $SITE/torchao ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .deps/whl/torchao-*.whl
       timeout -k 10 $(left) python3 benchmarks/scripts/fp8_probe.py --model $model --out $OUT/fp8_probe.jsonl \
         ${flags//,/ } > $OUT/fp8probe-$model.log 2>&1
       echo "fp8probe $model rc $?"; cut -c1-400 $OUT/fp8probe-$model.log | tail -6;;

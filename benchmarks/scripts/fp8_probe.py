@@ -11,13 +11,15 @@ clipping to norm 1.0, the optimizer, zeroed gradients; ``torch.compile`` on the 
 - ``bf16``: FP32 weights, BF16 autocast, torch's fused AdamW: the stock compiled Trainer's numerics.
 - ``fp8_tensorwise`` / ``fp8_rowwise``: the same with torchao's float8 linears (``convert_to_float8_training``,
   that recipe), ``lm_head`` and linears whose sides are not multiples of 16 left in BF16.
-- ``bf16_master``: BF16 weights and gradients, no autocast, apex's ``FusedAdam(capturable=True,
-  master_weights=True)`` holding FP32 copies of the weights and its states.
+- ``bf16_master``: BF16 weights and gradients, no autocast, apex's capturable Adam kernel with FP32 master weights
+  (``amp_C.multi_tensor_adam_capturable_master``, :class:`BF16MasterAdam`): FP32 copies of the weights and the
+  states. apex's ``FusedAdam(master_weights=True)`` keeps master copies for FP16 and FP32 parameters only (apex
+  6424da3): its BF16 parameters are updated in place, without one.
 - ``fp8_rowwise_master``: both.
 
-One JSON line per variant: step times (p20/p50/p80 over the timed steps, CUDA events), tokens/s, peak memory, the
-last loss. ``--emulate`` runs torchao's float8 in emulation (any device, the CPU included): a check of the script,
-not a timing."""
+One JSON line per variant: step times (p20/p50/p80 over the timed steps, CUDA events read once the steps are done),
+tokens/s, peak memory, the last loss. ``--emulate`` runs torchao's float8 in emulation (any device, the CPU
+included): a check of the script, not a timing. The ``_master`` variants need CUDA and apex; not run on a GPU yet."""
 
 import argparse
 import dataclasses
@@ -82,16 +84,62 @@ def parse_args(argv=None):
     unknown = set(opts.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; pick from {', '.join(VARIANTS)}")
+    if opts.steps < 1 or opts.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
     return opts
 
 
 def float8_filter(module, fqn: str) -> bool:
     """torchao's float8 for a linear whose sides are multiples of 16, never the LM head (its logits feed the loss)."""
-    import torch
-
-    if not isinstance(module, torch.nn.Linear):
-        return True  # (a container: its children are asked in turn)
     return "lm_head" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+class BF16MasterAdam:
+    """AdamW over BF16 weights that keeps FP32 master copies of them: apex's capturable kernel, which reads the BF16
+    gradients, updates the FP32 masters and states, and writes the BF16 weights back, in one pass."""
+
+    def __init__(self, params, lr: float, weight_decay: float, betas=(0.9, 0.999), eps=1e-8):
+        import amp_C
+        import torch
+        from apex.multi_tensor_apply import multi_tensor_applier
+
+        self.params = [p for p in params if p.requires_grad]
+        device = self.params[0].device
+        self.master = [p.detach().float() for p in self.params]
+        self.exp_avg = [torch.zeros_like(w) for w in self.master]
+        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]
+        self.lr = torch.tensor([lr], dtype=torch.float32, device=device)
+        self.steps = torch.zeros(1, dtype=torch.int, device=device)
+        self.no_skip = torch.zeros(1, dtype=torch.int, device=device)
+        self.inv_scale = torch.ones(1, dtype=torch.float32, device=device)
+        self.kernel, self.applier = amp_C.multi_tensor_adam_capturable_master, multi_tensor_applier
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+
+    def step(self):
+        self.steps += 1
+        lists = [[p.grad for p in self.params], self.params, self.exp_avg, self.exp_avg_sq, self.master]
+        # (lr, beta1, beta2, eps, step, mode 1: AdamW, bias correction on, weight decay, 1 / loss scale)
+        self.applier(
+            self.kernel,
+            self.no_skip,
+            lists,
+            self.lr,
+            *self.betas,
+            self.eps,
+            self.steps,
+            1,
+            1,
+            self.weight_decay,
+            self.inv_scale,
+        )
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def masters_hold_the_weights(self) -> bool:
+        """Whether every BF16 weight is its FP32 master rounded: the masters are the ones updated."""
+        return all(bool((p == w.to(p.dtype)).all()) for p, w in zip(self.params, self.master))
 
 
 def run_variant(opts) -> dict:
@@ -104,7 +152,8 @@ def run_variant(opts) -> dict:
     torch.manual_seed(0)
     shape = {**SHAPES[opts.model], **({"num_hidden_layers": opts.layers} if opts.layers else {})}
     config = LlamaConfig(**shape, max_position_embeddings=max(opts.seq, 2048), attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device)
+    with torch.device(device):  # (built where it trains: an 8B-wide model's FP32 init on a CPU takes minutes)
+        model = LlamaForCausalLM(config)
     master = variant.endswith("_master")
     if master:
         model = model.to(torch.bfloat16)
@@ -117,15 +166,13 @@ def run_variant(opts) -> dict:
 
         def keep(module, fqn):
             ok = float8_filter(module, fqn)
-            if not ok and isinstance(module, torch.nn.Linear):
+            if not ok:
                 skipped.append(fqn)
             return ok
 
         convert_to_float8_training(model, module_filter_fn=keep, config=recipe)
     if master:
-        from apex.optimizers import FusedAdam
-
-        optimizer = FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01, capturable=True, master_weights=True)
+        optimizer = BF16MasterAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
     compiled = torch.compile(model)
@@ -151,19 +198,21 @@ def run_variant(opts) -> dict:
     if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    times = []
-    for i in range(opts.steps):
+    events, times = [], []
+    for i in range(opts.steps):  # (each step's events read once all are done: no sync between the steps)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        t = time.perf_counter()
-        loss = step(batches[i % len(batches)])
-        if cuda:
+            loss = step(batches[i % len(batches)])
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            events.append((start, end))
         else:
+            t = time.perf_counter()
+            loss = step(batches[i % len(batches)])
             times.append((time.perf_counter() - t) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
     p50 = statistics.median(times)
     return {
@@ -183,6 +232,7 @@ def run_variant(opts) -> dict:
         "warmup_s": round(warm_s, 1),
         "loss_last": round(float(loss), 4),
         "bf16_linears": skipped,
+        "masters_hold_the_weights": optimizer.masters_hold_the_weights() if master else None,
     }
 
 
@@ -196,8 +246,10 @@ def main():
         proc = subprocess.run(
             [sys.executable, __file__, *argv, "--variant", variant], capture_output=True, text=True, env=os.environ
         )
-        line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
-        row = json.loads(line) if line else {"variant": variant, "rc": proc.returncode, "error": proc.stderr[-2000:]}
+        rows = [line for line in proc.stdout.splitlines() if line.startswith('{"variant"')]
+        row = (
+            json.loads(rows[-1]) if rows else {"variant": variant, "rc": proc.returncode, "error": proc.stderr[-2000:]}
+        )
         with open(opts.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print({k: v for k, v in row.items() if k != "bf16_linears"}, flush=True)

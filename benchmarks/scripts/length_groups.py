@@ -2,13 +2,13 @@
 from the data set's, against batches drawn at random: whether grouping by length hands the model batches of one class;
 and what each costs in padding, at the bucket widths hf_apex pads to.
 
-usage: python benchmarks/scripts/length_groups.py DATA_DIR [--examples 20000] [--batch 32] [--seeds 5] [--mega 4,50]
+usage: python benchmarks/scripts/length_groups.py DATA_DIR [--examples 20000] [--batch 32] [--seeds 5] [--mega 2,4]
 
 DATA_DIR holds sst2/train.tsv and tokenizers/bert-base-uncased (a copy of ../shared/data). Prints, per sampler, the
 spread (standard deviation) of the batches' mean label and their mean distance from the set's, over the seeds, and the
 padding share of the batches padded to hf_apex's buckets; and the mean label by length decile. ``--mega``: the
-sampler's megabatches (``mega_batch_mult``: how many batches it sorts by length together; transformers' default, what
-the Trainer uses, is 50 for sets of over 200 batches). CPU only, a few seconds.
+sampler's megabatches (``mega_batch_mult``: how many batches it sorts by length together); ``default``, what the
+Trainer uses, is transformers' rule (the set's batches / 4, at most 50). CPU only, a few seconds.
 """
 
 import argparse
@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=20000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--mega", default="50", help="the length-grouped sampler's megabatches, comma-separated")
+    parser.add_argument(
+        "--mega", default="default", help="the sampler's megabatches, comma-separated; default: transformers' rule"
+    )
     opts = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(opts.data_dir / "tokenizers" / "bert-base-uncased")
     with open(opts.data_dir / "sst2" / "train.tsv") as f:
@@ -56,19 +58,23 @@ def main() -> None:
         f"corr(length, label) {np.corrcoef(lengths, labels)[0, 1]:.3f}"
     )
     buckets = bucket_lengths(int(lengths.max()))
-    for mega in [None, *map(int, opts.mega.split(","))]:
+    for mega in ["random", *opts.mega.split(",")]:
         spread, distance, padding = [], [], []
         for seed in range(opts.seeds):
-            if mega is None:
+            if mega == "random":
                 order = np.random.default_rng(seed).permutation(len(labels))
             else:
                 generator = torch.Generator().manual_seed(seed)  # (LengthGroupedSampler's order, its megabatches set)
-                order = np.array(get_length_grouped_indices(lengths.tolist(), opts.batch, mega, generator))
+                order = np.array(
+                    get_length_grouped_indices(
+                        lengths.tolist(), opts.batch, None if mega == "default" else int(mega), generator
+                    )
+                )
             means = batch_label_means(order, labels, opts.batch)
             spread.append(means.std())
             distance.append(np.abs(means - labels.mean()).mean())
             padding.append(padding_share(order, lengths, opts.batch, buckets))
-        name = "random" if mega is None else f"grouped by {mega}"
+        name = mega if mega == "random" else f"grouped by {mega}"
         print(
             f"{name:>15}: std of the batches' mean label {statistics.mean(spread):.3f} "
             f"(seeds {min(spread):.3f}-{max(spread):.3f}), mean distance {statistics.mean(distance):.3f}, "
