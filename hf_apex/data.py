@@ -15,8 +15,9 @@ compiles again and CUDA graphs record again. Two layouts remove most of it (``Ap
   are ignored.
 - ``"buckets"`` (encoders, per-example losses): batches of examples of similar length (transformers'
   ``group_by_length`` sampler), each padded to the shortest of a few lengths that holds it (:func:`bucket_lengths`,
-  :class:`BucketCollator`): a few shapes. Dynamo compiles the first as a static graph and the others as dynamic ones,
-  at most one a bucket (the compiler's guards on sizes can split a dynamic graph), and CUDA graphs record once each.
+  :class:`BucketCollator`): a few shapes. Under ``torch.compile`` their length is dynamic from the first step
+  (:func:`~hf_apex.runtime.mark_lengths_dynamic`), so one graph serves every bucket unless the compiler's guards on
+  sizes split it, and CUDA graphs record once a bucket.
   A batch keeps its attention mask where it is all ones, so that each shape has one call signature.
 
 A trainer with a data pipeline of its own keeps it; where that pipeline is padding-free (TRL's packing: one

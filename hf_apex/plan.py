@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from . import policy, runtime
+from . import data, policy, runtime
 from .autotune import TRIAL_MIN_STEPS, TRIAL_WARMUP, Autotuner, DecisionCache, compiled, training_pass
 from .kernels.apex.norms import is_swapped
 from .kernels.apex.optim import apex_optimizer_cls_and_kwargs
 from .kernels.models.attention import capture as capture_attention
 from .kernels.models.attention import one_sequence_per_row, preferring, use_static_masks
-from .kernels.models.loss import fuse_linear_cross_entropy, unfuse_linear_cross_entropy
+from .kernels.models.loss import fuse_linear_cross_entropy, settle_problem_type, unfuse_linear_cross_entropy
 from .kernels.models.rotary import compute_rotary_once, restore_rotary
 from .kernels.models.surgery import RewireReport, rewire, unrewire
 from .training_args import CUDA_GRAPHS_BACKEND, ApexTrainingArguments, graph_norm_kernel, uses_cuda_graphs
@@ -252,6 +252,7 @@ class StagePlan:
         self.masks = StaticMasks(args)  # what the run changes and undoes (run)
         self.compile_settings: dict[str, dict] = {}  # the compiler's settings for the steps, by config module
         self.sdpa_backend: str | None = None  # the SDPA backend put first (None: PyTorch's choice)
+        self.bucketed = False  # whether the run's batches are padded to length buckets (:meth:`collator`)
 
     def __repr__(self) -> str:
         parts = ", ".join(map(repr, [*self.converters, self.masks]))
@@ -293,6 +294,7 @@ class StagePlan:
 
     def collator(self, collator, model: nn.Module):
         """``collator``, leaving all-ones attention masks out of its batches where the run's masks are static."""
+        self.bucketed = data.wraps(collator, data.BucketCollator)
         if collator is not None and policy.drops_full_attention_mask(self.args, model, collator):
             return runtime.DropFullAttentionMask(collator)
         return collator
@@ -313,7 +315,7 @@ class StagePlan:
     @contextlib.contextmanager
     def step(self, inputs, global_step: int | None = None, first_batch: Callable[[], object] | None = None):
         """Around one training step on ``inputs``: the compiler's settings (torch.compile compiles inside the first
-        step), the masks decided on the host, autotune's norms trial told the optimizer steps done so far
+        step), a bucketed batch's length dynamic for it (one graph for every bucket), the masks decided on the host, autotune's norms trial told the optimizer steps done so far
         (``global_step``), ``first_batch()`` where given (the run's one-off decisions: :meth:`decide_on_first_batch`),
         then the SDPA backend put first, which torch.compile traces its graph with; torch's own again after it. DDP's
         stop on an unused parameter names the argument that lets it through."""
@@ -321,6 +323,8 @@ class StagePlan:
             for module, settings in self.compile_settings.items():
                 stack.enter_context(importlib.import_module(module).patch(**settings))
             stack.enter_context(one_sequence_per_row(self.one_sequence_per_row(inputs)))
+            if self.bucketed and self.args.torch_compile:
+                runtime.mark_lengths_dynamic(inputs)
             if self.autotuner is not None and global_step is not None:
                 self.autotuner.at_step(global_step)
             if first_batch is not None:
@@ -357,7 +361,9 @@ class StagePlan:
         (unwrapped): autotune's norms, timed on whole passes (not under torch.compile, nor with activation
         checkpointing, nor where the model is ``sharded`` by FSDP or DeepSpeed: a forward on one rank would stall the
         others), and the SDPA backend (``attention_backend="fastest"``; not timed where sharded). Returns the warm-up
-        steps the metrics must skip (a norms trial's)."""
+        steps the metrics must skip (a norms trial's). First, a sequence classifier's problem type, which its first
+        forward would otherwise set inside the compiled graph (:func:`settle_problem_type`)."""
+        settle_problem_type(model, inputs.get("labels"))
         warmup, args = 0, self.args
         checkpointed = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)
         norms_in_step = not (sharded or checkpointed or getattr(model, "is_gradient_checkpointing", False))

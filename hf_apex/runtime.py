@@ -54,6 +54,16 @@ def drop_fp32_outputs(model: nn.Module, scope: contextlib.ExitStack) -> bool:
     return True
 
 
+def mark_lengths_dynamic(batch: Mapping) -> None:
+    """Mark the length of ``batch``'s 2-D tensors (the ones :class:`~hf_apex.data.BucketCollator` pads) dynamic for
+    ``torch.compile``, so that its first graph serves every bucket. Left to itself, Dynamo compiles the first bucket
+    as a static graph and the second again, dynamic. The mark is on the tensor the model is called with: the
+    Trainer's loader has put the batch on the device by the time a step sees it."""
+    for value in batch.values():
+        if torch.is_tensor(value) and value.dim() == 2:
+            torch._dynamo.maybe_mark_dynamic(value, 1)
+
+
 class DropFullAttentionMask:
     """A data collator that leaves out an ``attention_mask`` of all ones (it means what no mask means), so that the
     model's mask is decided without reading a tensor (:data:`~hf_apex.kernels.models.attention.STATIC_MASKS`): no mask,

@@ -158,8 +158,6 @@ class ApexTrainer(Trainer):
         if not (self.args.recipe.fp32_outputs or runtime.loss_reads_outputs(self)):
             model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # (FSDP1: self.model wraps it)
             self.fp32_outputs_dropped = runtime.drop_fp32_outputs(model, self._run)
-        if self.autotuner is None:
-            return
         inputs, raw = internals.prepare_inputs(self, inputs), self.model.train()  # (as the step runs it: with dropout)
         steps_left = self.state.max_steps - self.state.global_step
         sharded = bool(policy.fsdp_version(self.args) or self.is_deepspeed_enabled)

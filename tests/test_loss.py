@@ -365,3 +365,27 @@ def test_the_trainer_switch_trains_records_and_warns(tmp_path, caplog):
         _, _, metrics = run(tiny_model("bert"), "bert", task="cls", fused_linear_cross_entropy=True)
     assert caplog.text.count("fused_linear_cross_entropy is on but not used") == 1  # not again when train() re-applies
     assert metrics["lm_loss"]["fused_linear_cross_entropy"] is False
+
+
+@pytest.mark.parametrize(
+    "num_labels, labels",
+    [
+        (2, torch.tensor([0, 1, 1])),  # single-label
+        (1, torch.tensor([0.5, -1.0, 2.0])),  # regression
+        (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])),  # multi-label
+    ],
+)
+def test_a_classifier_problem_type_is_settled_as_its_first_forward_would(num_labels, labels):
+    """Settled before the first compiled forward, the problem type is the one the model's own forward picks: the
+    compiled graph then has no guard on it being None left to fail at the second step."""
+    settled, forward = tiny_model("bert", num_labels=num_labels), tiny_model("bert", num_labels=num_labels)
+    assert settled.config.problem_type is None
+    forward(input_ids=torch.tensor([[5, 6, 7]] * 3), labels=labels)
+    assert fused.settle_problem_type(settled, labels) == forward.config.problem_type is not None
+    assert settled.config.problem_type == forward.config.problem_type
+
+
+def test_problem_type_is_left_alone_outside_sequence_classifiers():
+    lm = tiny_model("gpt2")
+    assert fused.settle_problem_type(lm, torch.tensor([[1, 2, 3]])) is None
+    assert getattr(lm.config, "problem_type", None) is None

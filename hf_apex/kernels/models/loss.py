@@ -27,6 +27,26 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
+def settle_problem_type(model: nn.Module, labels) -> str | None:
+    """A sequence classifier's ``config.problem_type`` decided from ``labels`` by transformers' own rule (regression
+    for one label, single-label for integer labels, multi-label otherwise), where it is still None; returns it. The
+    model would set it in its first forward with labels; under ``torch.compile`` that first forward's graph guards
+    on it being None, and the second step compiles again."""
+    base = getattr(model, "_orig_mod", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # (PEFT's wrapper)
+    config = getattr(base, "config", None)
+    if not type(base).__name__.endswith("ForSequenceClassification") or not torch.is_tensor(labels):
+        return None
+    if getattr(config, "problem_type", "") is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    return getattr(config, "problem_type", None)
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why ``model``'s training loss cannot be computed by :func:`causal_lm_loss`, or None when it can: a
     transformers causal LM (``...ForCausalLM``, or GPT-2's ``GPT2LMHeadModel``) of a family in ``SUPPORTED``, whose
