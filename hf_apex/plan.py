@@ -315,10 +315,11 @@ class StagePlan:
     @contextlib.contextmanager
     def step(self, inputs, global_step: int | None = None, first_batch: Callable[[], object] | None = None):
         """Around one training step on ``inputs``: the compiler's settings (torch.compile compiles inside the first
-        step), a bucketed batch's length dynamic for it (one graph for every bucket), the masks decided on the host, autotune's norms trial told the optimizer steps done so far
-        (``global_step``), ``first_batch()`` where given (the run's one-off decisions: :meth:`decide_on_first_batch`),
-        then the SDPA backend put first, which torch.compile traces its graph with; torch's own again after it. DDP's
-        stop on an unused parameter names the argument that lets it through."""
+        step), a bucketed batch's length dynamic for it (one graph for every bucket), the masks decided on the host,
+        autotune's norms trial told the optimizer steps done so far (``global_step``), ``first_batch()`` where given
+        (the run's one-off decisions: :meth:`decide_on_first_batch`), then the SDPA backend put first, which
+        torch.compile traces its graph with; torch's own again after it. DDP's stop on an unused parameter names the
+        argument that lets it through."""
         with contextlib.ExitStack() as stack:
             for module, settings in self.compile_settings.items():
                 stack.enter_context(importlib.import_module(module).patch(**settings))
