@@ -324,7 +324,7 @@ class StagePlan:
             for module, settings in self.compile_settings.items():
                 stack.enter_context(importlib.import_module(module).patch(**settings))
             stack.enter_context(one_sequence_per_row(self.one_sequence_per_row(inputs)))
-            if self.bucketed and self.args.torch_compile:
+            if self.bucketed and self.args.torch_compile and isinstance(inputs, Mapping):
                 runtime.mark_lengths_dynamic(inputs)
             if self.autotuner is not None and global_step is not None:
                 self.autotuner.at_step(global_step)
@@ -359,12 +359,15 @@ class StagePlan:
         sharded: bool = False,
     ) -> int:
         """The run's one-off decisions on its first batch ``inputs``, whose loss ``loss()`` computes on ``model``
-        (unwrapped): autotune's norms, timed on whole passes (not under torch.compile, nor with activation
-        checkpointing, nor where the model is ``sharded`` by FSDP or DeepSpeed: a forward on one rank would stall the
-        others), and the SDPA backend (``attention_backend="fastest"``; not timed where sharded). Returns the warm-up
-        steps the metrics must skip (a norms trial's). First, a sequence classifier's problem type, which its first
-        forward would otherwise set inside the compiled graph (:func:`settle_problem_type`)."""
-        settle_problem_type(model, inputs.get("labels"))
+        (unwrapped; ``loss`` may be None where the plan has no autotuner, which alone times): a classifier's problem
+        type, which its first forward would otherwise set inside the compiled graph (:func:`settle_problem_type`);
+        autotune's norms, timed on whole passes (not under torch.compile, nor with activation checkpointing, nor where
+        the model is ``sharded`` by FSDP or DeepSpeed: a forward on one rank would stall the others), and the SDPA
+        backend (``attention_backend="fastest"``; not timed where sharded). Returns the warm-up steps the metrics
+        must skip (a norms trial's)."""
+        settle_problem_type(model, inputs.get("labels") if isinstance(inputs, Mapping) else None)
+        if self.autotuner is None:
+            return 0
         warmup, args = 0, self.args
         checkpointed = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)
         norms_in_step = not (sharded or checkpointed or getattr(model, "is_gradient_checkpointing", False))

@@ -55,12 +55,15 @@ def drop_fp32_outputs(model: nn.Module, scope: contextlib.ExitStack) -> bool:
 
 
 def mark_lengths_dynamic(batch: Mapping) -> None:
-    """Mark the length of ``batch``'s 2-D tensors (the ones :class:`~hf_apex.data.BucketCollator` pads) dynamic for
-    ``torch.compile``, so that its first graph serves every bucket. Left to itself, Dynamo compiles the first bucket
-    as a static graph and the second again, dynamic. The mark is on the tensor the model is called with: the
-    Trainer's loader has put the batch on the device by the time a step sees it."""
+    """Mark the length of ``batch``'s token-wide tensors (2-D, shaped as its ``input_ids``: the ones
+    :class:`~hf_apex.data.BucketCollator` pads) dynamic for ``torch.compile``, so that its first graph serves every
+    bucket. Left to itself, Dynamo compiles the first bucket as a static graph and the second again, dynamic. The mark
+    is on the tensor the model is called with: the Trainer's loader has put the batch on the device by then."""
+    ids = batch.get("input_ids")
+    if not (torch.is_tensor(ids) and ids.dim() == 2):
+        return
     for value in batch.values():
-        if torch.is_tensor(value) and value.dim() == 2:
+        if torch.is_tensor(value) and value.shape == ids.shape:
             torch._dynamo.maybe_mark_dynamic(value, 1)
 
 

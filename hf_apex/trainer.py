@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -153,22 +154,25 @@ class ApexTrainer(Trainer):
             return super().training_step(model, inputs, *args, **kwargs)
 
     def _decide_on_first_batch(self, inputs) -> None:
-        """The run's one-off decisions: the model's output dtype (accelerate's), then the plan's (autotune's norms,
-        the SDPA backend), timed on the unwrapped model without DDP's hooks (rank 0 times alone)."""
+        """The run's one-off decisions: the model's output dtype (accelerate's), then the plan's (a classifier's
+        problem type; autotune's norms, the SDPA backend, timed on the unwrapped model without DDP's hooks: rank 0
+        times alone)."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # (FSDP1: self.model wraps it)
         if not (self.args.recipe.fp32_outputs or runtime.loss_reads_outputs(self)):
-            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)  # (FSDP1: self.model wraps it)
             self.fp32_outputs_dropped = runtime.drop_fp32_outputs(model, self._run)
-        inputs, raw = internals.prepare_inputs(self, inputs), self.model.train()  # (as the step runs it: with dropout)
+        loss = None
+        if self.autotuner is not None:  # (prepared again only to time: a _prepare_inputs may do more, e.g. generate)
+            inputs, raw = internals.prepare_inputs(self, inputs), self.model.train()  # (as the step runs it)
+            model, loss = raw, functools.partial(self._autocast_loss, raw, inputs)
         steps_left = self.state.max_steps - self.state.global_step
         sharded = bool(policy.fsdp_version(self.args) or self.is_deepspeed_enabled)
-        loss = functools.partial(self._autocast_loss, raw, inputs)
-        warmup = self.plan.decide_on_first_batch(raw, loss, inputs, steps_left=steps_left, sharded=sharded)
+        warmup = self.plan.decide_on_first_batch(model, loss, inputs, steps_left=steps_left, sharded=sharded)
         if warmup and self.stage_metrics is not None:
             self.stage_metrics.hold_warmup(warmup)  # the trial's steps and the profiled one after are warm-up
 
     def _autocast_loss(self, model: nn.Module, inputs: dict):
         with self.accelerator.autocast():
-            return self.compute_loss(model, dict(inputs))  # (compute_loss may pop the labels)
+            return self.compute_loss(model, dict(inputs) if isinstance(inputs, Mapping) else inputs)  # (it may pop)
 
     def evaluate(self, *args, **kwargs):
         runtime.reclaim_accelerate_state(self, self._accelerate_settings)

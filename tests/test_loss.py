@@ -3,6 +3,7 @@ the same loss and gradients as transformers' own, in FP32 and under BF16 autocas
 gradient-accumulation divisors, several chunks and a vocabulary that is not a multiple of 64; the model swap; and the
 Trainer switch."""
 
+import copy
 import json
 import os
 import pickle
@@ -385,7 +386,44 @@ def test_a_classifier_problem_type_is_settled_as_its_first_forward_would(num_lab
     assert settled.config.problem_type == forward.config.problem_type
 
 
-def test_problem_type_is_left_alone_outside_sequence_classifiers():
+def test_a_classifier_through_transformers_loss_function_is_settled_too():
+    """Llama's classifier sets the problem type in transformers' ForSequenceClassificationLoss, not in its forward."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pad_token_id=0,
+        num_labels=1,
+    )
+    settled, forward = (transformers.LlamaForSequenceClassification(config) for _ in range(2))
+    settled.config = copy.deepcopy(config)
+    labels = torch.tensor([1.0, 0.0])
+    forward(input_ids=torch.tensor([[5, 6, 7]] * 2), labels=labels)
+    assert fused.settle_problem_type(settled, labels) == forward.config.problem_type == "regression"
+
+
+def test_problem_type_is_left_alone_where_the_forward_would_not_set_it():
+    import transformers
+
     lm = tiny_model("gpt2")
     assert fused.settle_problem_type(lm, torch.tensor([[1, 2, 3]])) is None
     assert getattr(lm.config, "problem_type", None) is None
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8,),
+        conv_stride=(5,),
+        conv_kernel=(10,),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        classifier_proj_size=8,
+    )
+    audio = transformers.Wav2Vec2ForSequenceClassification(config)  # (its own cross-entropy, whatever the labels)
+    assert fused.settle_problem_type(audio, torch.tensor([[1.0, 0.0]])) is None
+    assert audio.config.problem_type is None

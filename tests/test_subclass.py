@@ -220,3 +220,48 @@ def test_the_deferred_log_runs_only_on_the_private_method_it_was_tested_against(
             pass
 
     assert not can_defer_logs(Moved) and not can_defer_logs(object)
+
+
+class CountsPreparedBatches(ApexTrainer):
+    """A trainer whose _prepare_inputs does more than move tensors (TRL's GRPOTrainer generates completions there):
+    it must run once a step."""
+
+    prepared = 0
+
+    def _prepare_inputs(self, inputs):
+        self.prepared += 1
+        return super()._prepare_inputs(inputs)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_step_prepares_its_batch_once_unless_the_first_one_is_timed(stage, tmp_path):
+    args = run_args(tmp_path, stage, autotune=False)
+    trainer = CountsPreparedBatches(
+        model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls")
+    )
+    timed = trainer.autotuner is not None  # (fastest times the SDPA backends on the first batch)
+    assert timed == (stage == "fastest")
+    trainer.train()
+    assert trainer.prepared == args.max_steps + timed
+
+
+class TupleBatches(ApexTrainer):
+    """Batches as tuples, which this subclass's compute_loss unpacks."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        input_ids, labels = inputs
+        outputs = model(input_ids=input_ids, labels=labels)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_subclass_may_train_on_tuple_batches(stage, tmp_path):
+    def collate(rows):
+        return torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
+
+    args = run_args(tmp_path, stage, remove_unused_columns=False)
+    trainer = TupleBatches(
+        model=tiny_model("bert").train(), args=args, train_dataset=TokenDataset(task="cls"), data_collator=collate
+    )
+    trainer.train()
+    assert trainer.state.global_step == args.max_steps

@@ -8,6 +8,7 @@ run the stock forward. :func:`unsupported` says which models it fits and why not
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -28,16 +29,18 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def settle_problem_type(model: nn.Module, labels) -> str | None:
-    """A sequence classifier's ``config.problem_type`` decided from ``labels`` by transformers' own rule (regression
-    for one label, single-label for integer labels, multi-label otherwise), where it is still None; returns it. The
-    model would set it in its first forward with labels; under ``torch.compile`` that first forward's graph guards
+    """A classifier's ``config.problem_type`` decided from ``labels`` by transformers' own rule (regression for one
+    label, single-label for integer labels, multi-label otherwise), where it is still None and the model's forward
+    would set it (:func:`sets_problem_type`); returns it. Under ``torch.compile`` the first forward's graph guards
     on it being None, and the second step compiles again."""
+    from transformers import PreTrainedModel
+
     base = getattr(model, "_orig_mod", model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # (PEFT's wrapper)
     config = getattr(base, "config", None)
-    if not type(base).__name__.endswith("ForSequenceClassification") or not torch.is_tensor(labels):
+    if not isinstance(base, PreTrainedModel) or not torch.is_tensor(labels):
         return None
-    if getattr(config, "problem_type", "") is None:
+    if getattr(config, "problem_type", "") is None and sets_problem_type(base):
         if config.num_labels == 1:
             config.problem_type = "regression"
         elif labels.dtype in (torch.long, torch.int):
@@ -45,6 +48,23 @@ def settle_problem_type(model: nn.Module, labels) -> str | None:
         else:
             config.problem_type = "multi_label_classification"
     return getattr(config, "problem_type", None)
+
+
+def sets_problem_type(model: nn.Module) -> bool:
+    """Whether ``model``'s forward sets ``config.problem_type`` when it is None: its own code says so (BERT's and
+    most text classifiers'), or it calls transformers' ``ForSequenceClassificationLoss`` (Llama's, the image and
+    audio classifiers'). Some classifiers do neither (wav2vec2's cross-entropy): their config is left alone."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForSequenceClassificationLoss
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    if "problem_type" in source:
+        return True
+    if "self.loss_function" not in source or "_loss_function" in vars(model):  # (a loss function of your own)
+        return False
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForSequenceClassificationLoss
 
 
 def unsupported(model: nn.Module) -> str | None:
