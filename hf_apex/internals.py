@@ -127,6 +127,12 @@ def uncompiled(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
+def mark_dynamic_length(tensor: torch.Tensor) -> None:
+    """Mark ``tensor``'s dimension 1 dynamic for Dynamo's next trace of it, where the compiler lets it be (torch has
+    no public name for it: ``torch._dynamo.maybe_mark_dynamic``)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, 1)
+
+
 def has_triton() -> bool:
     """Whether Triton can run here (torch's own check; False where torch has no such check)."""
     try:

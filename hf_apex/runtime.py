@@ -13,7 +13,13 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
-from .internals import can_defer_logs, fp32_output_conversion, last_logged_step, reset_accelerate_state
+from .internals import (
+    can_defer_logs,
+    fp32_output_conversion,
+    last_logged_step,
+    mark_dynamic_length,
+    reset_accelerate_state,
+)
 
 logger = logging.getLogger("hf_apex")
 
@@ -64,7 +70,7 @@ def mark_lengths_dynamic(batch: Mapping) -> None:
         return
     for value in batch.values():
         if torch.is_tensor(value) and value.shape == ids.shape:
-            torch._dynamo.maybe_mark_dynamic(value, 1)
+            mark_dynamic_length(value)
 
 
 class DropFullAttentionMask:

@@ -13,6 +13,7 @@ import inspect
 import torch
 from torch import nn
 
+from ...internals import uncompiled
 from ..ops.lm_loss import _register_row_kernel, causal_lm_loss
 from ..swap import Swap, restore, stock_class, swap
 
@@ -35,7 +36,7 @@ def settle_problem_type(model: nn.Module, labels) -> str | None:
     on it being None, and the second step compiles again."""
     from transformers import PreTrainedModel
 
-    base = getattr(model, "_orig_mod", model)
+    base = uncompiled(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # (PEFT's wrapper)
     config = getattr(base, "config", None)
     if not isinstance(base, PreTrainedModel) or not torch.is_tensor(labels):
