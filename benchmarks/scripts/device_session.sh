@@ -5,9 +5,14 @@
 # setup (install hf_apex; apex from .deps/apex-prebuilt when there, else built, only the extensions hf_apex
 # loads, unless its kernels are there) |
 # apexpack (the installed apex into $OUT/apex-prebuilt.tgz.part-*, 15 MiB parts: move them into .deps/apex-prebuilt/
-# to skip the build next session; never commit them) | testgpu (make test-gpu) | testgpuslow (make test-gpu-slow: the
-# long loss-curve tests) | fast (tests/gpu/test_fast_stage_gpu.py alone) | pytest:<test>[,<test>...] (those GPU tests
-# alone, e.g. pytest:tests/gpu/test_loss_gpu.py, with HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) |
+# to skip the build next session; never commit them; a CPU machine with nvcc 13.0 can build the same, no GPU needed:
+# a Python 3.12 venv with torch==2.11.0 (PyPI's, CUDA 13.0; --no-deps), transformers 5.17 and accelerate 1.15, then
+# CPATH=<a site-packages with torch's nvidia/cu13/include, e.g. .deps/venv-lowest's> TORCH_CUDA_ARCH_LIST=9.0
+# PYTHONPATH=. python -m hf_apex.build_apex --commit <the Makefile's APEX_COMMIT> --src .deps/apex --extensions hf_apex,
+# and the files apexpack names, tarred from that venv's site-packages and split alike; 22 min on 2 busy cores,
+# 2026-12-08; not yet loaded on a GPU) | testgpu (make test-gpu) | testgpuslow (make test-gpu-slow: the long loss-curve
+# tests) | fast (tests/gpu/test_fast_stage_gpu.py alone) | pytest:<test>[,<test>...] (those GPU tests alone,
+# e.g. pytest:tests/gpu/test_loss_gpu.py, with HF_APEX_REQUIRE_KERNELS=1; a test id cannot hold a comma) |
 # sdpa (benchmarks/scripts/sdpa_backends.py) | rowkernel (benchmarks/scripts/row_kernel.py; RK_VARIANTS: its
 # --variants) | hostprof:<model>:<stage>[:plain] (host_profile.py on that bench row; HP_FLAGS: more
 # recipes/finetune.py flags) |
