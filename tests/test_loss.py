@@ -382,7 +382,9 @@ def test_a_classifier_problem_type_is_settled_as_its_first_forward_would(num_lab
     settled, forward = tiny_model("bert", num_labels=num_labels), tiny_model("bert", num_labels=num_labels)
     assert settled.config.problem_type is None
     forward(input_ids=torch.tensor([[5, 6, 7]] * 3), labels=labels)
-    assert fused.settle_problem_type(settled, labels) == forward.config.problem_type is not None
+    wrapped = torch.nn.Module()
+    wrapped.module = settled  # (as DDP and FSDP1 hold the model)
+    assert fused.settle_problem_type(wrapped, labels) == forward.config.problem_type is not None
     assert settled.config.problem_type == forward.config.problem_type
 
 

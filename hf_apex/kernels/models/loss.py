@@ -37,6 +37,8 @@ def settle_problem_type(model: nn.Module, labels) -> str | None:
     from transformers import PreTrainedModel
 
     base = uncompiled(model)
+    while not isinstance(base, PreTrainedModel) and isinstance(getattr(base, "module", None), nn.Module):
+        base = base.module  # (DDP's and FSDP1's wrappers)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base  # (PEFT's wrapper)
     config = getattr(base, "config", None)
     if not isinstance(base, PreTrainedModel) or not torch.is_tensor(labels):
